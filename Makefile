@@ -1,0 +1,43 @@
+# smcd — two commands matter: `make demo` and `make test`. Everything else is a building block.
+SHELL := /bin/bash
+PY := /usr/bin/python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: all deps venv demo test lint typecheck pytest bench clean
+
+all: test
+
+deps:
+	@bash tests/host/install-deps.sh
+
+# pyverbs and systemd-python come from Debian, so the venv sees the system site-packages.
+$(STAMP): pyproject.toml | deps
+	@test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip >/dev/null
+	@$(VPY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: deps $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check smcd_daemon smc_handoff tests bench
+	$(VENV)/bin/ruff format --check smcd_daemon/wire
+
+typecheck: venv
+	$(VENV)/bin/mypy --strict smcd_daemon/wire
+
+pytest: venv
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+test: venv lint typecheck pytest
+
+demo: venv
+	$(VPY) -m smcd_daemon.demo
+
+bench: venv
+	$(VPY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

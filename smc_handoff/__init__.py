@@ -1,0 +1,1 @@
+"""smc_handoff: the application side of smcd (standard library only)."""

@@ -1,0 +1,1 @@
+"""protocol layer (see README: Architecture)."""

@@ -1,0 +1,1 @@
+"""transport layer (see README: Architecture)."""
