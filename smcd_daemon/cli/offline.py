@@ -1,0 +1,18 @@
+"""smcctl commands that need no daemon: explain, decode."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    for name in ("explain", "decode"):
+        p = sub.add_parser(name, help=f"{name} (not yet implemented)")
+        p.set_defaults(func=_todo)
+
+
+def _todo(args: argparse.Namespace) -> int:
+    print(f"smcctl {args.command}: not yet implemented", file=sys.stderr)
+    return 1
