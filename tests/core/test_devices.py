@@ -52,7 +52,7 @@ def inventory() -> tuple[DeviceInventory, list[DeviceEvent], Clock]:
 
 def eth(ifindex: int, name: str, **kw: object) -> NetDevice:
     base: dict[str, object] = dict(
-        mac="02:00:00:00:00:%02x" % ifindex,
+        mac=f"02:00:00:00:00:{ifindex:02x}",
         mtu=1500,
         operstate=OperState.UP,
         carrier=True,
