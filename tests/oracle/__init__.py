@@ -1,0 +1,1 @@
+"""Wireshark (tshark) as an outside judge of the bytes our wire encoders produce."""
