@@ -1,14 +1,555 @@
-"""smcd entry point (placeholder until the control-plane issue lands)."""
+"""``smcd``: the daemon's entry point and the wiring of its parts.
+
+This module owns no protocol logic; it decides the order in which the parts start and stop and
+what happens to their failures:
+
+- Start-up errors an operator must fix (bad configuration, the bus name taken, the handoff socket
+  in use, rtnetlink unavailable) end the process with exit status 1 and one clear line; systemd's
+  ``Restart=on-failure`` and the journal take it from there.
+- Bad *input* never ends it: every adapter (handoff socket, D-Bus methods, netlink, the state file
+  at start, a configuration file that turned invalid before SIGHUP) logs and carries on.
+- The PNET table and the UEIDs added at run time are saved (atomically) after every change made
+  over D-Bus and restored at start; a corrupt state file is moved aside and reported.
+
+Order of start-up: inherited sockets (before anything can spawn a child), state, devices
+(netlink, RDMA), the handoff socket, then D-Bus last — owning ``org.smcd`` tells clients we are
+complete — and finally ``READY=1``. Shutdown runs the same list backwards after ``STOPPING=1``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import subprocess
 import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from smcd_daemon import __version__
+from smcd_daemon.adapters import systemd
+from smcd_daemon.adapters.dbus import BUS_NAME, BusError, DbusService, ServiceInfo, connect
+from smcd_daemon.adapters.handoff import HandoffServer
+from smcd_daemon.adapters.netlink import NetlinkWatcher
+from smcd_daemon.adapters.verbs import RdmaWatcher
+from smcd_daemon.config import (
+    Config,
+    ConfigError,
+    check_config,
+    diff_for_reload,
+    load_config,
+    parse_config,
+)
+from smcd_daemon.core.devices import DeviceInventory
+from smcd_daemon.core.eid import EidError, EidTable
+from smcd_daemon.core.persist import (
+    STATE_FILE_NAME,
+    PersistError,
+    StateStore,
+    control_state_dict,
+    load_control_state,
+)
+from smcd_daemon.core.pnet import PnetTable
+from smcd_daemon.core.registry import Registry
+from smcd_daemon.errors import SmcError
+
+__all__ = [
+    "PRIVATE_BUS_ADDRESS_FILE",
+    "Daemon",
+    "StartupError",
+    "build_parser",
+    "load_effective_config",
+    "main",
+]
+
+log = logging.getLogger("smcd")
+
+PRIVATE_BUS_ADDRESS_FILE = "bus.address"
+"""With ``dbus.bus = "private"`` smcd starts its own dbus-daemon and writes its address to this
+file in the runtime dir (``smcctl --bus private`` reads it)."""
+
+_OVERRIDES = {
+    "bus": "dbus.bus",
+    "runtime_dir": "runtime_dir",
+    "state_dir": "state_dir",
+    "handoff_socket": "handoff_socket",
+    "log_level": "log_level",
+}
 
 
-def main(argv: list[str] | None = None) -> int:
-    print("smcd: the daemon is not yet implemented", file=sys.stderr)
-    return 1
+class StartupError(SmcError):
+    """smcd cannot start; the message says what to fix."""
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# -- command line and configuration -----------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smcd",
+        description=(
+            "Userspace Shared Memory Communications daemon (SMC-D over loopback-ism, SMC-R). "
+            "Serves the handoff socket for applications and the org.smcd D-Bus API for smcctl."
+        ),
+        epilog=(
+            "Without --config smcd runs unprivileged with its embedded defaults: runtime and "
+            "state under $XDG_RUNTIME_DIR/smcd (or /tmp/smcd-UID), on the session bus (or a "
+            "private bus it starts itself). Signals: SIGHUP reloads the configuration "
+            "(reloadable keys apply at once, the others are reported as needing a restart); "
+            "SIGTERM/SIGINT stop cleanly. Exit status: 0 after a clean stop, 1 on a "
+            "configuration or start-up error."
+        ),
+    )
+    p.add_argument("--version", action="version", version=f"smcd {__version__}")
+    p.add_argument(
+        "--config", metavar="FILE", help="configuration file (TOML, see config/smcd.toml)"
+    )
+    p.add_argument(
+        "--check-config",
+        metavar="FILE",
+        help="validate FILE, print 'FILE: OK' or every error (key, value, what is allowed), "
+        "and exit 0 or 1 without starting",
+    )
+    o = p.add_argument_group("overrides (take precedence over the configuration file)")
+    o.add_argument(
+        "--bus",
+        metavar="BUS",
+        help='D-Bus bus for org.smcd: "system", "session", "private" or an address such as '
+        "unix:path=/run/dbus/system_bus_socket (dbus.bus)",
+    )
+    o.add_argument("--runtime-dir", metavar="DIR", help="runtime directory (runtime_dir)")
+    o.add_argument("--state-dir", metavar="DIR", help="where the PNET table/UEIDs are kept")
+    o.add_argument("--handoff-socket", metavar="PATH", help="handoff socket path (handoff_socket)")
+    o.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        help="debug, info, warning, error or critical (log_level)",
+    )
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Command-line overrides as dotted configuration keys."""
+    return {
+        key: getattr(args, attr)
+        for attr, key in _OVERRIDES.items()
+        if getattr(args, attr, None) is not None
+    }
+
+
+def load_effective_config(path: Path | None, overrides: Mapping[str, Any]) -> Config:
+    """The file (or the embedded defaults) with the command-line overrides applied, validated as
+    one document so that derived defaults (handoff socket and state dir under ``runtime_dir``)
+    follow an overridden runtime dir. Raises :class:`ConfigError`."""
+    cfg = load_config(path)
+    if not overrides:
+        return cfg
+    data: dict[str, Any] = tomllib.loads(path.read_text("utf-8")) if path is not None else {}
+    for key, value in overrides.items():
+        *sections, leaf = key.split(".")
+        target = data
+        for s in sections:
+            target = target.setdefault(s, {})
+        target[leaf] = value
+    source = f"{path if path is not None else '<embedded defaults>'} with command-line options"
+    return parse_config(data, source=source)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.check_config is not None:
+        return check_config(Path(args.check_config))
+    path = Path(args.config) if args.config else None
+    overrides = overrides_from_args(args)
+    try:
+        cfg = load_effective_config(path, overrides)
+    except ConfigError as e:
+        for problem in e.errors:
+            print(f"smcd: configuration error: {problem}", file=sys.stderr)
+        return 1
+    setup_logging(cfg.log_level)
+    daemon = Daemon(cfg, config_path=path, overrides=overrides)
+    try:
+        return asyncio.run(daemon.run())
+    except KeyboardInterrupt:
+        return 130
+
+
+def setup_logging(level: str) -> None:
+    """systemd's logging setup, with pyroute2 kept at INFO or above: at debug level it dumps
+    every netlink message, which drowns smcd's own debug output."""
+    systemd.setup_logging(level)
+    numeric = logging.getLevelName(level.upper())
+    logging.getLogger("pyroute2").setLevel(max(numeric, logging.INFO))
+
+
+# -- the private bus ------------------------------------------------------------------------------
+
+_PRIVATE_BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC
+ "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <listen>unix:path={socket}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+"""
+
+
+class PrivateBus:
+    """A dbus-daemon of smcd's own (``dbus.bus = "private"``): for demos and tests on machines
+    without a session bus. Only the uid smcd runs as may connect (dbus-daemon's default)."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.dir = runtime_dir / "dbus"
+        self.address_file = runtime_dir / PRIVATE_BUS_ADDRESS_FILE
+        self.address = ""
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> str:
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock = self.dir / "bus.sock"
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        conf = self.dir / "bus.conf"
+        conf.write_text(_PRIVATE_BUS_CONFIG.format(socket=sock))
+        try:
+            self._proc = subprocess.Popen(
+                ["dbus-daemon", f"--config-file={conf}", "--print-address=1", "--nofork",
+                 "--nosyslog"],
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except OSError as e:
+            raise StartupError(
+                f"cannot start a private dbus-daemon: {e.strerror or e} (install the dbus "
+                'package, or set dbus.bus to "session", "system" or an address)'
+            ) from e
+        assert self._proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(self._proc.stdout.readline), 10.0)
+        self.address = line.decode().strip()
+        if not self.address:
+            raise StartupError("the private dbus-daemon exited without giving its address")
+        tmp = self.address_file.with_suffix(".tmp")
+        tmp.write_text(self.address + "\n")
+        tmp.replace(self.address_file)
+        log.info("private D-Bus bus at %s (address in %s)", self.address, self.address_file)
+        return self.address
+
+    def stop(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.address_file.unlink()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc = None
+
+
+# -- the daemon -----------------------------------------------------------------------------------
+
+
+def _capabilities(cfg: Config) -> tuple[str, ...]:
+    caps = []
+    if cfg.modes.smcd_loopback:
+        caps.append("SMC-Dv2 loopback-ism")
+    if cfg.modes.smcr_v1:
+        caps.append("SMC-Rv1")
+    if cfg.modes.smcr_v2:
+        caps.append("SMC-Rv2")
+    return tuple(caps)
+
+
+class Daemon:
+    """One running smcd. :meth:`run` returns the exit status."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        config_path: Path | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = dict(overrides or {})
+        self.store = StateStore(cfg.state_dir / STATE_FILE_NAME)
+        self.inventory = DeviceInventory(loopback_enabled=cfg.modes.smcd_loopback)
+        self.registry = Registry()
+        # Loaded in _start, where a state file that cannot be read is a start-up error.
+        self.pnet: PnetTable | None = None
+        self.eids: EidTable | None = None
+        self.netlink: NetlinkWatcher | None = None
+        self.rdma: RdmaWatcher | None = None
+        self.handoff: HandoffServer | None = None
+        self.service: DbusService | None = None
+        self.private_bus: PrivateBus | None = None
+        self.bus_address = ""
+        self._bus: Any = None
+        self._config_ueids: tuple[str, ...] = ()
+        self._stop = asyncio.Event()
+        self._exit = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reload_note = ""
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        try:
+            await self._start()
+        except (SmcError, OSError) as e:
+            log.error("cannot start: %s", e)
+            systemd.notify(STATUS=f"failed to start: {e}")
+            await self._shutdown()
+            return 1
+        systemd.notify(READY=1, STATUS=self.status())
+        log.info("smcd %s ready: %s", __version__, self.status())
+        watchdog = asyncio.create_task(systemd.run_watchdog(self._stop), name="smcd-watchdog")
+        await self._stop.wait()
+        systemd.notify(STOPPING=1, STATUS="shutting down")
+        log.info("shutting down")
+        await self._shutdown()
+        await watchdog
+        log.info("stopped")
+        return self._exit
+
+    def request_stop(self, why: str = "request", status: int = 0) -> None:
+        if not self._stop.is_set():
+            log.info("stop requested (%s)", why)
+        self._exit = self._exit or status
+        self._stop.set()
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        inherited = systemd.listen_fds()  # first: before any child process could inherit them
+
+        # State (PNET table, UEIDs). A corrupt file is moved aside and logged by the store.
+        try:
+            state = load_control_state(self.store)
+        except PersistError as e:
+            raise StartupError(str(e)) from e
+        self.pnet, self.eids = state.pnet, state.eids
+        self._apply_config_ueids((), cfg.eid.ueids)
+        log.info(
+            "state from %s: %d PNET entries, UEIDs %s",
+            self.store.path,
+            len(self.pnet),
+            ", ".join(self.eids.ueids) or "none",
+        )
+
+        # Devices.
+        self.netlink = NetlinkWatcher(self.inventory)
+        try:
+            await self.netlink.start()
+        except Exception as e:
+            raise StartupError(f"cannot follow network devices through rtnetlink: {e}") from e
+        self.rdma = RdmaWatcher(self.inventory)
+        try:
+            await self.rdma.start()
+        except Exception as e:  # RDMA is optional: SMC-D loopback works without it
+            log.warning("RDMA discovery failed (%s); continuing without RDMA devices", e)
+            self.rdma = None
+
+        # Handoff socket: the one systemd passed us, else our own.
+        listener = systemd.select_listener(inherited, cfg.handoff_socket)
+        for extra in inherited:
+            if extra is not listener:
+                log.warning("ignoring inherited socket %s: not the handoff socket", extra)
+                extra.close()
+        if listener is not None:
+            self.handoff = HandoffServer(listener, owns_path=False)
+            log.info("handoff socket %s inherited (socket activation)", cfg.handoff_socket)
+        else:
+            self.handoff = HandoffServer.bind(cfg.handoff_socket)
+            log.info("handoff socket %s bound", cfg.handoff_socket)
+        self.handoff.start()
+
+        # D-Bus, last: owning the name announces a complete service.
+        address = cfg.dbus.bus
+        if address == "private":
+            self.private_bus = PrivateBus(cfg.runtime_dir)
+            address = await self.private_bus.start()
+        self.bus_address = address
+        self._bus = await connect(address)
+        self.service = DbusService(
+            self._bus,
+            self.registry,
+            self.inventory,
+            self.pnet,
+            self.eids,
+            info=ServiceInfo(capabilities=_capabilities(cfg)),
+            on_change=self._tables_changed,
+        )
+        try:
+            await self.service.start()
+        except BusError as e:
+            self.service = None
+            raise StartupError(f"{e} (bus: {cfg.dbus.bus})") from e
+        self._spawn(self._watch_bus(), "smcd-bus-watch")
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                await self.service.stop()
+            self.service = None
+        if self._bus is not None:
+            with contextlib.suppress(Exception):
+                self._bus.disconnect()
+            self._bus = None
+        if self.handoff is not None:
+            await self.handoff.stop()
+            self.handoff = None
+        if self.rdma is not None:
+            await self.rdma.stop()
+            self.rdma = None
+        if self.netlink is not None:
+            await self.netlink.stop()
+            self.netlink = None
+        if self.private_bus is not None:
+            self.private_bus.stop()
+            self.private_bus = None
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_bus(self) -> None:
+        """Without its bus connection smcd cannot be managed: exit 1 so systemd restarts us."""
+        assert self._bus is not None
+        await self._bus.wait_for_disconnect()
+        if not self._stop.is_set():
+            log.error("lost the connection to the D-Bus bus %s; exiting", self.bus_address)
+            self.request_stop("bus connection lost", status=1)
+
+    def status(self) -> str:
+        inv = self.inventory
+        parts = [
+            f"serving {BUS_NAME} on the {self.cfg.dbus.bus} bus",
+            f"handoff {self.cfg.handoff_socket}",
+            f"{len(inv.netdevs())} netdevs, {len(inv.rdma_devices())} RDMA devices",
+        ]
+        if self._reload_note:
+            parts.append(self._reload_note)
+        return "; ".join(parts)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What is saved: the tables, minus the UEIDs that come from the configuration file
+        (those belong to the file; removing one there must remove it here after a restart)."""
+        assert self.pnet is not None and self.eids is not None
+        data = control_state_dict(self.pnet, self.eids)
+        data["eid"]["ueids"] = [u for u in data["eid"]["ueids"] if u not in self._config_ueids]
+        return data
+
+    def save_state(self) -> None:
+        self.store.save(self.state_dict())
+
+    def _tables_changed(self, kind: str) -> None:
+        if kind in ("pnet", "ueid", "seid"):
+            try:
+                self.save_state()
+            except PersistError as e:
+                log.error("%s changed but could not be saved: %s", kind, e)
+                raise
+            log.info("%s changed; state saved to %s", kind, self.store.path)
+
+    def _apply_config_ueids(self, old: Sequence[str], new: Sequence[str]) -> None:
+        assert self.eids is not None
+        for u in old:
+            if u not in new and self.eids.has_ueid(u):
+                self.eids.remove_ueid(u)
+        for u in new:
+            if not self.eids.has_ueid(u):
+                try:
+                    self.eids.add_ueid(u)
+                except EidError as e:
+                    log.warning("UEID %s from the configuration not added: %s", u, e)
+        self._config_ueids = tuple(new)
+
+    # -- reload -------------------------------------------------------------------------------
+
+    def request_reload(self) -> None:
+        self._spawn(self.reload(), "smcd-reload")
+
+    async def reload(self) -> None:
+        """SIGHUP: apply what can change at run time, report what needs a restart. A file that
+        no longer validates changes nothing: smcd keeps running on the configuration it has."""
+        systemd.notify(RELOADING=1, MONOTONIC_USEC=systemd.monotonic_usec())
+        source = self.config_path if self.config_path is not None else "<embedded defaults>"
+        try:
+            new = load_effective_config(self.config_path, self.overrides)
+        except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+            problems = e.errors if isinstance(e, ConfigError) else (e,)
+            for problem in problems:
+                log.error("reload: %s", problem)
+            self._reload_note = (
+                f"reload of {source} failed ({len(problems)} error(s)); still running with "
+                "the previous configuration"
+            )
+            log.error("%s", self._reload_note)
+            systemd.notify(READY=1, STATUS=self.status())
+            return
+        old = self.cfg
+        plan = diff_for_reload(old, new)
+        assert plan.effective is not None
+        self.cfg = plan.effective
+        try:
+            self._apply(old, plan.applied)
+        except Exception:
+            log.exception("reload: applying %s failed", ", ".join(plan.applied))
+        notes = []
+        if plan.applied:
+            log.info("reload: applied %s", ", ".join(plan.applied))
+            notes.append(f"applied {', '.join(plan.applied)}")
+        if plan.needs_restart:
+            log.warning(
+                "reload: %s changed but take effect only after a restart; the old values stay "
+                "in use until then",
+                ", ".join(plan.needs_restart),
+            )
+            notes.append(f"needs restart for {', '.join(plan.needs_restart)}")
+        if not notes:
+            log.info("reload: %s unchanged", source)
+            notes.append("no changes")
+        self._reload_note = f"reloaded {source}: " + "; ".join(notes)
+        systemd.notify(READY=1, STATUS=self.status())
+
+    def _apply(self, old: Config, applied: Sequence[str]) -> None:
+        cfg = self.cfg
+        if "log_level" in applied:
+            setup_logging(cfg.log_level)
+        if "modes.smcd_loopback" in applied:
+            self.inventory.set_loopback_enabled(cfg.modes.smcd_loopback)
+        if "eid.ueids" in applied:
+            self._apply_config_ueids(old.eid.ueids, cfg.eid.ueids)
+            try:
+                self.save_state()
+            except PersistError as e:
+                log.error("reload: UEIDs changed but could not be saved: %s", e)
+            if self.service is not None:
+                self.service.refresh()
