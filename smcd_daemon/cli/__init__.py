@@ -21,6 +21,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and configure smcd, the userspace SMC daemon.",
     )
     parser.add_argument("--version", action="version", version=f"smcctl {__version__}")
+    # Also accepted after the command; given here they apply to every D-Bus command.
+    parser.add_argument(
+        "--bus",
+        default=argparse.SUPPRESS,
+        metavar="BUS",
+        help='"system" (default, or $SMCD_BUS), "session", "private" or a D-Bus address',
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     offline.register(sub)
     bus.register(sub)

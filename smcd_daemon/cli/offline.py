@@ -67,7 +67,12 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("code", metavar="CODE", help="reason code, e.g. 0x03030008 or 50528264")
-    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the explanation as JSON",
+    )
     p.set_defaults(func=cmd_explain)
 
     d = sub.add_parser(
@@ -80,7 +85,12 @@ def register(sub: Any) -> None:
     d.add_argument(
         "hex", nargs="*", metavar="HEX", help="message bytes as hex (default: read stdin)"
     )
-    d.add_argument("--json", action="store_true", help="print the decoded message as JSON")
+    d.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the decoded message as JSON",
+    )
     d.set_defaults(func=cmd_decode)
 
 
@@ -123,7 +133,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except reasons.ReasonCodeError as exc:
         return _fail("explain", str(exc))
     exp = reasons.explain(code)
-    if args.json:
+    if getattr(args, "json", False):
         print(json.dumps(_explanation_json(exp), indent=2))
     else:
         print("\n".join(_explanation_text(exp)))
@@ -225,7 +235,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     except ProtocolError as exc:
         return _fail("decode", f"{len(data)}-byte input: {exc}")
     explained = _reason_fields(msg)
-    if args.json:
+    if getattr(args, "json", False):
         doc = {
             "kind": kind,
             "message": type(msg).__name__,
