@@ -1,13 +1,303 @@
-"""smc-run: run an unmodified Python program on SMC (placeholder until the handoff issue lands)."""
+"""smc-run: run an unmodified Python program with its TCP stream sockets upgraded to SMC.
+
+smc-tools' ``smc_run`` preloads a library that turns the program's AF_INET sockets into AF_SMC
+ones. ``smc-run`` does the same for Python programs: it puts a bootstrap ``sitecustomize`` on
+``PYTHONPATH`` and execs the program; the bootstrap replaces ``socket.socket`` by
+:class:`AutoSocket`, a :class:`~smc_handoff.socket.SmcSocket` that offers itself to smcd after a
+blocking ``connect()`` (client half) and registers ``listen()``-ing sockets so that ``accept()``
+hands each connection off (server half). Everything the stdlib builds on ``socket.socket``
+follows: ``socket.create_connection`` (``http.client``, ``urllib``, ``smtplib``...),
+``socketserver`` (``http.server``, ``xmlrpc.server``...), and direct ``socket()`` users. The
+upgraded object is still a ``socket.socket`` (``makefile``, ``sendall``, timeouts, ``select``,
+``getpeername``... behave as before). Child Python processes inherit the upgrade.
+
+Not upgraded, and staying on plain TCP: non-blocking connects and listeners that are
+non-blocking when ``listen()`` is called (asyncio: use :mod:`smc_handoff.aio`), TLS connections
+(``ssl`` takes the descriptor over with ``detach()``: an upgraded socket then closes its channel
+and continues on TCP, a listener unregisters), and every socket when no daemon runs: the program
+never breaks because smcd is absent.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import os
+import shutil
+import socket as _socket
 import sys
+from pathlib import Path
+from typing import Any
+
+from smc_handoff import messages
+from smc_handoff.socket import SmcSocket, _accepted, _Registration
+
+__all__ = ["AutoSocket", "install", "install_from_env", "main"]
+
+BOOT_DIR = Path(__file__).resolve().parent / "_boot"
+ENV_ACTIVE = "SMC_RUN"
+ENV_DEBUG = "SMC_RUN_DEBUG"
+ENV_VERBOSE = "SMC_RUN_VERBOSE"
+
+USAGE = """\
+usage: smc-run [-d] [-v] PROGRAM [ARG...]
+       smc-run [-d] [-v] -m MODULE [ARG...]
+       smc-run [-d] [-v] -c COMMAND [ARG...]
+"""
+
+HELP = (
+    USAGE
+    + """
+Run a Python program with its TCP stream sockets upgraded to SMC through smcd, on both the
+client side (connect) and the server side (listen/accept), like smc-tools' smc_run.
+
+  PROGRAM       a Python script, or a command that starts Python (python3, a console
+                script...); child Python processes are upgraded too
+  -m MODULE     run a library module as a script (python -m MODULE)
+  -c COMMAND    run a Python command string (python -c COMMAND)
+  -d, --debug   log every handoff step of the smc_handoff library to stderr
+  -v, --verbose print one line per connection to stderr: its mode (smcd, smcr or tcp) and,
+                on tcp, the fallback reason
+  -h, --help    show this help and exit
+
+Without a running smcd the program runs unchanged on plain TCP. Environment:
+SMCD_HANDOFF_SOCKET (the daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for
+the daemon's answer, default 10).
+"""
+)
+
+_log = logging.getLogger("smc_handoff.run")
+_verbose = False
+
+
+def _report(op: str, sock: SmcSocket, peer: Any) -> None:
+    if not _verbose:
+        return
+    reason = f" ({sock.fallback})" if sock.fallback is not None else ""
+    conn = f" conn {sock.conn_id}" if sock.conn_id is not None else ""
+    print(f"smc-run[{os.getpid()}]: {op} {peer}: {sock.mode}{conn}{reason}", file=sys.stderr)
+
+
+def _eligible(sock: _socket.socket) -> bool:
+    return sock.family in (_socket.AF_INET, _socket.AF_INET6) and sock.type == _socket.SOCK_STREAM
+
+
+class AutoSocket(SmcSocket):
+    """What ``socket.socket`` is under smc-run: a plain socket until a TCP connection exists."""
+
+    _registration: _Registration | None
+    _upgrade = True  # False in ssl.SSLSocket, which subclasses us once smc-run is installed
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._registration = None
+
+    def _upgrade_client(self, address: Any) -> None:
+        if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
+            self._handoff(server_side=False)
+            _report("connect", self, address)
+
+    def connect(self, address: Any) -> None:
+        super().connect(address)
+        self._upgrade_client(address)
+
+    def connect_ex(self, address: Any) -> int:
+        rc = super().connect_ex(address)
+        if rc == 0:
+            self._upgrade_client(address)
+        return rc
+
+    def listen(self, *backlog: int) -> None:
+        super().listen(*backlog)
+        if (
+            self._upgrade
+            and _eligible(self)
+            and self.gettimeout() != 0
+            and self._registration is None
+        ):
+            self._registration = _Registration(self)
+            if _verbose:
+                reg = self._registration
+                state = (
+                    f"registered as listener {reg.listener_id}"
+                    if reg.listener_id is not None
+                    else f"tcp ({reg.fallback})"
+                )
+                print(
+                    f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}",
+                    file=sys.stderr,
+                )
+
+    def accept(self) -> tuple[_socket.socket, Any]:
+        fd, addr = self._accept()  # type: ignore[attr-defined]
+        conn = SmcSocket(self.family, self.type, self.proto, fileno=fd)
+        if _socket.getdefaulttimeout() is None and self.gettimeout():
+            conn.setblocking(True)
+        reg = self._registration
+        if reg is None:
+            return conn, addr
+        smc = _accepted(conn, reg)
+        _report("accept", smc, addr)
+        return smc, addr
+
+    def detach(self) -> int:
+        """Whoever takes the descriptor (``ssl``) will not hand connections off: unregister."""
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        return super().detach()
+
+    def _real_close(self, *args: Any) -> None:
+        reg = getattr(self, "_registration", None)
+        if reg is not None:
+            reg.close()
+            self._registration = None
+        super()._real_close(*args)
+
+
+def _patch_ssl(ssl: Any) -> None:
+    """Make ``ssl`` take upgraded sockets over correctly: leave the channel first (TLS then runs
+    on TCP), and never upgrade an ``SSLSocket`` itself (its I/O bypasses our methods)."""
+    wrap_socket = ssl.SSLContext.wrap_socket
+
+    @functools.wraps(wrap_socket)
+    def smc_wrap_socket(self: Any, sock: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(sock, SmcSocket):
+            sock.leave_channel()
+            if isinstance(sock, AutoSocket) and sock._registration is not None:
+                sock._registration.close()  # a TLS listener hands nothing off
+                sock._registration = None
+        return wrap_socket(self, sock, *args, **kwargs)
+
+    ssl.SSLContext.wrap_socket = smc_wrap_socket
+    if issubclass(ssl.SSLSocket, AutoSocket):
+        ssl.SSLSocket._upgrade = False
+
+
+class _SslHook(importlib.abc.MetaPathFinder):
+    """Patch ``ssl`` when the program imports it (importing it up front would cost every
+    smc-run process ~10 ms)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "ssl":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("ssl")
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                exec_module(module)
+                _patch_ssl(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+def install(*, verbose: bool = False, debug: bool = False) -> None:
+    """Upgrade this interpreter: ``socket.socket`` becomes :class:`AutoSocket` (idempotent)."""
+    global _verbose
+    _verbose = verbose or debug
+    if debug:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"smc-run[{os.getpid()}] %(name)s: %(message)s"))
+        root = logging.getLogger("smc_handoff")
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG)
+    if "ssl" in sys.modules:
+        _patch_ssl(sys.modules["ssl"])
+    elif not any(isinstance(f, _SslHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SslHook())
+    _socket.socket = AutoSocket  # type: ignore[misc]
+
+
+def install_from_env() -> None:
+    """What the bootstrap calls: install when smc-run set ``SMC_RUN=1``."""
+    if os.environ.get(ENV_ACTIVE) == "1":
+        install(verbose=os.environ.get(ENV_VERBOSE) == "1", debug=os.environ.get(ENV_DEBUG) == "1")
+
+
+def _is_python_script(path: str) -> bool:
+    if path.endswith((".py", ".pyw")):
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first and not os.access(path, os.X_OK)
+
+
+def command_line(argv: list[str]) -> tuple[list[str], bool, bool] | str:
+    """Parse smc-run's own options: (the command to exec, verbose, debug) or an error text."""
+    verbose = debug = False
+    args = list(argv)
+    while args and args[0].startswith("-"):
+        opt = args.pop(0)
+        if opt == "--":
+            break
+        if opt in ("-v", "--verbose"):
+            verbose = True
+        elif opt in ("-d", "--debug"):
+            debug = True
+        elif opt in ("-h", "--help"):
+            return "help"
+        elif opt in ("-m", "-c"):
+            if not args:
+                return f"smc-run: {opt} needs an argument"
+            return [sys.executable, opt, *args], verbose, debug
+        elif opt.startswith(("-m", "-c")) and len(opt) > 2:  # -mhttp.server, as python allows
+            return [sys.executable, opt[:2], opt[2:], *args], verbose, debug
+        elif len(opt) > 2 and not opt.startswith("--") and set(opt[1:]) <= {"v", "d"}:
+            verbose = verbose or "v" in opt
+            debug = debug or "d" in opt
+        else:
+            return f"smc-run: unknown option {opt}"
+    if not args:
+        return "smc-run: no program given"
+    program = args[0]
+    if os.path.isfile(program) and _is_python_script(program):
+        return [sys.executable, *args], verbose, debug
+    if shutil.which(program) is None:
+        return f"smc-run: {program}: command not found"
+    return args, verbose, debug
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("smc-run: not yet implemented", file=sys.stderr)
-    return 1
+    parsed = command_line(sys.argv[1:] if argv is None else argv)
+    if parsed == "help":
+        sys.stdout.write(HELP)
+        return 0
+    if isinstance(parsed, str):
+        sys.stderr.write(f"{parsed}\n{USAGE}")
+        return 2
+    command, verbose, debug = parsed
+    env = dict(os.environ)
+    env[ENV_ACTIVE] = "1"
+    env[ENV_VERBOSE] = "1" if verbose else "0"
+    env[ENV_DEBUG] = "1" if debug else "0"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT_DIR), env.get("PYTHONPATH", "")) if p)
+    if debug:
+        where = messages.handoff_socket_candidates(env)
+        print(
+            f"smc-run: exec {command} (handoff socket: {', '.join(map(str, where))})",
+            file=sys.stderr,
+        )
+    sys.stdout.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        print(f"smc-run: {command[0]}: {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ PKGS=(
   python3 python3-venv python3-pip
   python3-pyverbs python3-systemd rdma-core ibverbs-providers libibverbs-dev
   tshark
-  dbus libglib2.0-bin iproute2 util-linux systemd strace
+  dbus libglib2.0-bin iproute2 util-linux systemd strace openssl
 )
 
 missing=()

@@ -1,0 +1,1 @@
+"""smc-run's bootstrap directory: put on ``PYTHONPATH`` so its ``sitecustomize`` runs first."""

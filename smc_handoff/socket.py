@@ -1,0 +1,772 @@
+"""``SmcSocket``: a TCP socket whose data moves over an SMC channel once smcd has taken it over.
+
+An :class:`SmcSocket` *is* a :class:`socket.socket` (a subclass owning the TCP descriptor, as
+:class:`ssl.SSLSocket` owns its socket): ``getpeername``, ``getsockname``, ``setsockopt``,
+``settimeout`` and friends act on the TCP socket, which the application keeps for the life of the
+connection (the kernel keeps its clcsock the same way). Once the daemon answered CHANNEL, the data
+calls (``send``/``sendall``/``recv``/``recv_into``/``makefile``/``shutdown``/``close``) go to the
+shared-memory channel and ``fileno()`` is the channel's receive eventfd, readable when data, EOF
+or an abort is pending, so ``select``/``selectors`` work. Otherwise (``mode == "tcp"``) every call
+is the plain socket's own, and ``.fallback`` says why.
+
+The semantics are a TCP socket's: ``b""`` after the peer's ``shutdown(SHUT_WR)`` or ``close()``
+once the data is drained, :class:`ConnectionResetError` after an abort, :class:`TimeoutError`
+(``socket.timeout``) when a timeout expires, :class:`BlockingIOError` when non-blocking and there
+is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown(SHUT_WR)``, and
+``EBADF`` after ``close()``. The differences, all in SMC mode:
+
+- ``fileno()`` is not the TCP descriptor, and ``select`` for *writability* is always true (an
+  eventfd): a non-blocking ``send`` may still raise :class:`BlockingIOError` when the peer's
+  ring is full;
+- ``dup`` is refused; ``detach`` (what ``ssl`` does) first leaves the channel, which is only
+  possible before any byte moved (:meth:`SmcSocket.leave_channel`: the connection then goes on
+  over TCP, clean after CLC);
+- ``sendmsg``/``recvmsg``/``MSG_PEEK``/``MSG_OOB`` are not available (``EOPNOTSUPP``);
+- as with the kernel's AF_SMC, ``send`` after the peer closed raises
+  :class:`ConnectionResetError` at once, where TCP accepts one more write before the RST;
+- a select loop may see a rare spurious readiness right after data was consumed (a late
+  wakeup); a non-blocking ``recv`` then raises :class:`BlockingIOError` and clears it.
+
+When no daemon answers (no socket at the handoff path, connection refused, an untrusted owner,
+no reply in time) or the daemon refuses, every call degrades to plain TCP with the local reason
+:data:`~smc_handoff.messages.FALLBACK_DAEMON_UNAVAILABLE` or
+:data:`~smc_handoff.messages.FALLBACK_DAEMON_ERROR`: an application never breaks because smcd
+is absent.
+"""
+
+from __future__ import annotations
+
+import _socket as _csocket
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket as _socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Self
+
+from smc_handoff import messages
+from smc_handoff.messages import Fallback
+
+if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
+    from smc_handoff.channel import Channel as _Channel
+
+__all__ = ["SmcServer", "SmcSocket", "connect", "listen", "wrap"]
+
+log = logging.getLogger("smc_handoff")
+
+# The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
+_BaseSocket = _socket.socket
+_STREAM_FAMILIES = (_socket.AF_INET, _socket.AF_INET6)
+# Plain ints: the socket module's constants are IntFlag members, and enum arithmetic would
+# cost microseconds on every call of the data path.
+_MSG_DONTWAIT = int(_socket.MSG_DONTWAIT)
+_SUPPORTED_FLAGS = _MSG_DONTWAIT | int(getattr(_socket, "MSG_NOSIGNAL", 0))
+Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
+
+
+def _ebadf() -> OSError:
+    return OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+
+def _eagain() -> BlockingIOError:
+    return BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+
+def _reset() -> ConnectionResetError:
+    return ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
+
+
+def _timeout() -> TimeoutError:
+    return TimeoutError("timed out")  # the message CPython's socket module uses
+
+
+# --- talking to the daemon --------------------------------------------------------------------
+
+
+class _NoDaemon(Exception):
+    """No usable daemon at any candidate path; the message says why (for the fallback)."""
+
+
+def _connect_daemon(timeout: float) -> _socket.socket:
+    """A SEQPACKET connection to a trusted daemon, or :class:`_NoDaemon`."""
+    problems = []
+    for path in messages.handoff_socket_candidates():
+        ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        try:
+            ctl.settimeout(timeout)
+            ctl.connect(os.fspath(path))
+            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", cred)
+            if uid not in (0, os.getuid()):
+                raise _NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
+        except (OSError, _NoDaemon) as e:
+            ctl.close()
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
+            problems.append(f"{path}: {reason}")
+            continue
+        return ctl
+    raise _NoDaemon("; ".join(problems) or "no handoff socket path")
+
+
+def _exchange(
+    request: messages.Request,
+    fd: int,
+    what: str,
+    precheck: Callable[[], Fallback | None] | None = None,
+) -> tuple[_socket.socket, messages.Reply, list[int]] | Fallback:
+    """Send ``request`` with ``fd``; the open control connection, reply and its fds — or the
+    fallback to report when there is no usable answer (then nothing is left open).
+    ``precheck`` runs once a daemon answered, before anything is sent."""
+    timeout = messages.handoff_timeout()
+    try:
+        ctl = _connect_daemon(timeout)
+    except _NoDaemon as e:
+        return messages.daemon_unavailable(str(e))
+    refusal = precheck() if precheck is not None else None
+    if refusal is not None:
+        ctl.close()
+        return refusal
+    try:
+        messages.send_message(ctl, request, [fd])
+        reply, fds = messages.recv_message(ctl, requests=False)
+    except TimeoutError:
+        ctl.close()
+        return messages.daemon_unavailable(f"no reply to {what} within {timeout:g} s")
+    except messages.HandoffProtocolError as e:
+        ctl.close()
+        return messages.daemon_error(f"invalid reply to {what}: {e}")
+    except (messages.HandoffClosedError, OSError) as e:
+        ctl.close()
+        return messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
+    return ctl, reply, fds  # type: ignore[return-value]
+
+
+def _unexpected(reply: messages.Reply, what: str) -> Fallback:
+    if isinstance(reply, messages.Error):
+        return messages.daemon_error(f"{what} refused: {reply.code.name}: {reply.message}")
+    return messages.daemon_error(f"unexpected {reply.TYPE.name} reply to {what}")
+
+
+_UNSUPPORTED = Fallback(
+    messages.FALLBACK_CHANNEL_UNSUPPORTED,
+    "CHANNEL_UNSUPPORTED",
+    "this CPU's memory model cannot carry the shared-memory channel (needs x86-64 or s390x)",
+)
+
+
+def _channel_refused() -> Fallback | None:
+    """Checked before asking the daemon (once it answered CHANNEL there is no way back to TCP),
+    and only when there is one: ``_ring`` loads ctypes, which a process without smcd skips."""
+    from smc_handoff import _ring
+
+    return None if _ring.ORDERING_OK else _UNSUPPORTED
+
+
+@dataclass
+class _Smc:
+    """What an SmcSocket holds while its data goes through a channel."""
+
+    channel: _Channel
+    control: _socket.socket | None
+    info: messages.Channel
+    role: messages.Role
+    conn_id: int = 0
+    rd_shut: bool = False
+    wr_shut: bool = False
+    sent: int = 0
+    received: int = 0
+    next_check: float = 0.0
+    deadline: float | None = None  # of the sendall() in progress (None: per call)
+
+    RECHECK_S = 1.0
+
+    def notify(self, msg: messages.Request) -> None:
+        """Tell the daemon (best effort: the channel never depends on it)."""
+        if self.control is None:
+            return
+        try:
+            self.control.setblocking(False)
+            messages.send_message(self.control, msg)
+        except OSError:
+            self.control.close()
+            self.control = None
+
+    def check_daemon(self, tcp_fd: int) -> None:
+        """Called before a wait, at most once a second: read the daemon's late replies (OK to
+        RESUME), and when the daemon went away (hang-up) RESUME with the one that replaced
+        it, without waiting for its answer. Never raises: the channel does not need this."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + self.RECHECK_S
+        ctl = self.control
+        if ctl is not None:
+            try:
+                ctl.setblocking(False)
+                while True:
+                    msg, fds = messages.recv_message(ctl, requests=False)
+                    messages.close_fds(fds)
+                    if isinstance(msg, messages.Ok):
+                        self.conn_id = msg.ident
+            except (BlockingIOError, InterruptedError):
+                return  # the daemon is still there
+            except (OSError, messages.HandoffError):
+                ctl.close()
+                self.control = None
+        try:
+            ctl = _connect_daemon(0.2)
+        except _NoDaemon:
+            return
+        resume = messages.Resume(
+            self.conn_id,
+            self.role,
+            self.info.mode,
+            self.info.rx_size,
+            self.info.tx_size,
+            self.sent,
+            self.received,
+        )
+        try:
+            ctl.setblocking(False)
+            messages.send_message(ctl, resume, [tcp_fd])
+        except OSError:
+            ctl.close()
+            return
+        self.control = ctl
+        log.debug("connection %d: RESUME sent to the new daemon", self.conn_id)
+
+
+# --- the socket -------------------------------------------------------------------------------
+
+
+class SmcSocket(_BaseSocket):
+    """A TCP socket upgraded to SMC when smcd takes it over (see the module docstring)."""
+
+    _smc: _Smc | None
+    _fallback: Fallback | None
+
+    def __init__(
+        self,
+        family: int = -1,
+        type: int = -1,
+        proto: int = -1,
+        fileno: int | None = None,
+    ) -> None:
+        super().__init__(family, type, proto, fileno)
+        self._smc = None
+        self._fallback = None
+        self._gone = False  # really closed (``_closed`` is set while makefile()s keep it open)
+
+    # -- what it is ----------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"smcd"``, ``"smcr"`` or ``"tcp"``."""
+        smc = self._smc
+        return smc.info.mode.name.lower() if smc is not None else "tcp"
+
+    @property
+    def fallback(self) -> Fallback | None:
+        """Why this socket stayed on TCP (code, name, explanation, peer_diagnosis); None on SMC
+        or before any handoff was tried."""
+        return self._fallback
+
+    @property
+    def conn_id(self) -> int | None:
+        """The daemon's connection id (smcctl conns), None on TCP."""
+        return self._smc.conn_id if self._smc is not None else None
+
+    def __repr__(self) -> str:
+        base = super().__repr__()
+        return f"{base[:-1]}, mode={self.mode}>" if base.endswith(">") else base
+
+    def fileno(self) -> int:
+        smc = self._smc
+        if smc is not None:
+            return smc.channel.fileno()
+        return super().fileno()
+
+    # -- handoff -------------------------------------------------------------------------------
+
+    def _handoff(self, server_side: bool, dmb_size: int = 0) -> None:
+        """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC."""
+        if self.family not in _STREAM_FAMILIES or self.type != _socket.SOCK_STREAM:
+            raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
+        request: messages.Request = (
+            messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
+        )
+        what = request.TYPE.name
+        blocking = self.gettimeout()
+        result = _exchange(request, super().fileno(), what, _channel_refused)
+        self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
+        if isinstance(result, Fallback):
+            self._set_fallback(result)
+            return
+        ctl, reply, fds = result
+        if not isinstance(reply, messages.Channel):
+            ctl.close()
+            messages.close_fds(fds)
+            self._set_fallback(reply if isinstance(reply, Fallback) else _unexpected(reply, what))
+            return
+        try:
+            from smc_handoff.channel import Channel as _Channel
+
+            rx_dmb, tx_dmb, rx_efd, tx_efd, link = fds
+            channel = _Channel(rx_dmb, tx_dmb, reply.rx_size, reply.tx_size, rx_efd, tx_efd, link)
+        except Exception as e:  # unusable descriptors: the TCP stream already spoke CLC
+            ctl.close()  # the channel closed the fds it was given
+            raise ConnectionResetError(
+                errno.ECONNRESET, f"smcd handed over an unusable channel: {e}"
+            ) from e
+        role = messages.Role.SERVER if server_side else messages.Role.CLIENT
+        self._smc = _Smc(channel, ctl, reply, role, reply.conn_id)
+        self._fallback = None
+        log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, self.mode)
+
+    def _set_fallback(self, reason: Fallback) -> None:
+        self._smc = None
+        self._fallback = reason
+        log.debug("staying on TCP: %s", reason)
+
+    def _live(self) -> _Smc | None:
+        """The SMC state, None in TCP mode; EBADF once really closed."""
+        if self._gone:
+            raise _ebadf()
+        return self._smc
+
+    def _deadline(self, flags: int) -> float | None:
+        """Absolute deadline for one call: 0.0 = non-blocking, None = forever."""
+        if flags & _MSG_DONTWAIT:
+            return 0.0
+        timeout = self.gettimeout()
+        if timeout is None:
+            return None
+        return 0.0 if timeout == 0 else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        if deadline == 0.0:
+            raise _eagain()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _timeout()
+        return left
+
+    @staticmethod
+    def _check_flags(flags: int) -> None:
+        if flags & ~_SUPPORTED_FLAGS:
+            raise OSError(errno.EOPNOTSUPP, "this flag is not supported on an SMC connection")
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
+        smc = self._live()
+        if smc is None:
+            return super().recv_into(buffer, nbytes, flags)
+        if flags:
+            self._check_flags(flags)
+        view = buffer if type(buffer) is memoryview else memoryview(buffer)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if nbytes:
+            if nbytes < 0:
+                raise ValueError("negative buffersize in recv_into")
+            if nbytes > view.nbytes:
+                raise ValueError("buffer too small for requested bytes")
+            view = view[:nbytes]
+        if not view.nbytes or smc.rd_shut:
+            return 0
+        ch = smc.channel
+        n = ch.recv_into(view)  # the fast path; raises ConnectionResetError after an abort
+        if n:
+            smc.received += n
+            return n
+        deadline = self._deadline(flags)
+        while True:
+            if ch.eof:
+                return 0
+            if deadline != 0.0:
+                smc.check_daemon(_BaseSocket.fileno(self))
+            if not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
+                self._remaining(deadline)  # raises timeout when it has expired
+            n = ch.recv_into(view)
+            if n:
+                smc.received += n
+                return n
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if self._live() is None:
+            return super().recv(bufsize, flags)
+        if bufsize < 0:
+            raise ValueError("negative buffersize in recv")
+        size = min(bufsize, self._smc.info.rx_size) if self._smc is not None else bufsize
+        buf = bytearray(size)  # one call never returns more than a ring holds
+        n = self.recv_into(buf, size, flags)
+        return bytes(buf[:n])
+
+    def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
+        if self._live() is None:
+            return super().recvfrom(bufsize, flags)
+        return self.recv(bufsize, flags), None
+
+    def recvfrom_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> tuple[int, Any]:
+        if self._live() is None:
+            return super().recvfrom_into(buffer, nbytes, flags)
+        return self.recv_into(buffer, nbytes, flags), None
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _send_some(self, smc: _Smc, view: memoryview, flags: int) -> int:
+        ch = smc.channel
+        n = ch.send_into(view)  # raises BrokenPipeError / ConnectionResetError as TCP would
+        if n:
+            smc.sent += n
+            return n
+        deadline = smc.deadline if smc.deadline is not None else self._deadline(flags)
+        while True:
+            if deadline != 0.0:
+                smc.check_daemon(_BaseSocket.fileno(self))
+            if not ch.wait_writable(self._remaining(deadline)) and deadline is not None:
+                self._remaining(deadline)
+            n = ch.send_into(view)
+            if n:
+                smc.sent += n
+                return n
+
+    def send(self, data: Buffer, flags: int = 0) -> int:
+        smc = self._live()
+        if smc is None:
+            return super().send(data, flags)
+        if flags:
+            self._check_flags(flags)
+        view = data if type(data) is memoryview else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if not view.nbytes:
+            return 0
+        return self._send_some(smc, view, flags)
+
+    def sendall(self, data: Buffer, flags: int = 0) -> None:
+        smc = self._live()
+        if smc is None:
+            return super().sendall(data, flags)
+        if flags:
+            self._check_flags(flags)
+        view = data if type(data) is memoryview else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        smc.deadline = None
+        try:
+            while view.nbytes:
+                n = self._send_some(smc, view, flags)
+                if smc.deadline is None:  # as CPython: the timeout covers the whole call
+                    smc.deadline = self._deadline(flags) if n < view.nbytes else None
+                view = view[n:]
+        finally:
+            smc.deadline = None
+        return None
+
+    def sendto(self, data: Buffer, *args: Any) -> int:
+        if self._live() is None:
+            return super().sendto(data, *args)
+        raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
+
+    def sendfile(self, file: Any, offset: int = 0, count: int | None = None) -> int:
+        if self._live() is None:
+            return super().sendfile(file, offset, count)
+        return self._sendfile_use_send(file, offset, count)  # type: ignore[attr-defined, no-any-return]
+
+    def sendmsg(self, *args: Any, **kwargs: Any) -> int:
+        if self._live() is None:
+            return super().sendmsg(*args, **kwargs)
+        raise OSError(errno.EOPNOTSUPP, "sendmsg is not supported on an SMC connection")
+
+    def recvmsg(self, *args: Any, **kwargs: Any) -> Any:
+        if self._live() is None:
+            return super().recvmsg(*args, **kwargs)
+        raise OSError(errno.EOPNOTSUPP, "recvmsg is not supported on an SMC connection")
+
+    def recvmsg_into(self, *args: Any, **kwargs: Any) -> Any:
+        if self._live() is None:
+            return super().recvmsg_into(*args, **kwargs)
+        raise OSError(errno.EOPNOTSUPP, "recvmsg_into is not supported on an SMC connection")
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def shutdown(self, how: int) -> None:
+        smc = self._live()
+        if smc is None:
+            return super().shutdown(how)
+        if how not in (_socket.SHUT_RD, _socket.SHUT_WR, _socket.SHUT_RDWR):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        if how in (_socket.SHUT_RD, _socket.SHUT_RDWR):
+            smc.rd_shut = True
+        if how in (_socket.SHUT_WR, _socket.SHUT_RDWR) and not smc.wr_shut:
+            smc.wr_shut = True
+            smc.channel.shutdown_write()
+        smc.notify(messages.Shutdown(how))
+        return None
+
+    def _real_close(self, _ss: Any = _csocket.socket) -> None:
+        smc, self._smc = self._smc, None
+        self._gone = True
+        if smc is not None:
+            ch = smc.channel
+            aborted = True
+            try:  # close() aborts when received data is unread: say so to the daemon
+                aborted = ch.aborted or (ch.readable() and not ch.eof)
+                ch.close()
+            finally:
+                smc.notify(messages.Close(aborted, smc.sent, smc.received))
+                if smc.control is not None:
+                    smc.control.close()
+        _ss.close(self)
+
+    def abort(self) -> None:
+        """Close at once, resetting the connection (the peer sees ECONNRESET), as SO_LINGER 0."""
+        smc = self._smc
+        if smc is not None:
+            smc.channel.abort()
+        else:
+            with contextlib.suppress(OSError):
+                self.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close()
+
+    def __del__(self) -> None:
+        """Dropped without close(): close the channel as close() would, then the TCP socket."""
+        smc = getattr(self, "_smc", None)
+        if smc is not None:
+            with contextlib.suppress(Exception):
+                self._real_close()
+        super().__del__()  # type: ignore[misc]
+
+    def leave_channel(self) -> None:
+        """Continue on TCP: possible only before any byte moved over the channel, because the
+        TCP stream is clean after CLC. What ``ssl`` needs before it takes a socket over (with
+        TLS at both ends, both leave before the handshake); ``OSError(EOPNOTSUPP)`` once data
+        moved. Nothing to do in TCP mode."""
+        smc = self._smc
+        if smc is None:
+            return
+        if self._gone:
+            raise _ebadf()
+        ch = smc.channel
+        if smc.sent or smc.received or (ch.readable() and not ch.eof):
+            raise OSError(
+                errno.EOPNOTSUPP, "an SMC socket that carried data cannot leave its channel"
+            )
+        self._smc = None
+        ch.close()
+        smc.notify(messages.Close(False, 0, 0))
+        if smc.control is not None:
+            smc.control.close()
+        self._fallback = Fallback(
+            messages.FALLBACK_DETACHED,
+            "DETACHED",
+            "the application took the TCP socket over before any data moved (e.g. for TLS)",
+        )
+
+    def detach(self) -> int:
+        """Give up the TCP descriptor (after :meth:`leave_channel` on SMC)."""
+        self.leave_channel()
+        return super().detach()
+
+    def dup(self) -> Self:
+        if self._smc is not None:
+            raise OSError(errno.EOPNOTSUPP, "an SMC socket cannot be duplicated")
+        return super().dup()
+
+    def accept(self) -> tuple[_socket.socket, Any]:
+        """Plain accept, returning an :class:`SmcSocket` in TCP mode (see :class:`SmcServer`)."""
+        fd, addr = self._accept()  # type: ignore[attr-defined]
+        conn = SmcSocket(self.family, self.type, self.proto, fileno=fd)
+        if _socket.getdefaulttimeout() is None and self.gettimeout():
+            conn.setblocking(True)
+        return conn, addr
+
+
+# --- public constructors ----------------------------------------------------------------------
+
+
+def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) -> SmcSocket:
+    """Hand a connected TCP socket to smcd; returns an :class:`SmcSocket` owning it.
+
+    ``sock`` is detached (its descriptor now belongs to the result, as with ``ssl``).
+    ``server_side`` says which half this is (True after ``accept``). ``dmb_size`` is a hint for
+    the receive buffer (16 KiB << n, or 0 for the daemon's choice). Never raises because smcd is
+    absent: the result is then in TCP mode with ``.fallback`` set.
+    """
+    if isinstance(sock, SmcSocket) and sock._smc is not None:
+        return sock
+    if sock.family not in _STREAM_FAMILIES or sock.type != _socket.SOCK_STREAM:
+        raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
+    sock.getpeername()  # OSError(ENOTCONN) for a socket that is not connected
+    timeout = sock.gettimeout()
+    smc = SmcSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+    smc.settimeout(timeout)
+    try:
+        smc._handoff(server_side, dmb_size)
+    except BaseException:
+        smc.close()
+        raise
+    return smc
+
+
+def connect(
+    address: tuple[str, int],
+    timeout: float | None = None,
+    *,
+    source_address: tuple[str, int] | None = None,
+    dmb_size: int = 0,
+) -> SmcSocket:
+    """``socket.create_connection`` then :func:`wrap` (client side)."""
+    sock = _socket.create_connection(address, timeout, source_address)
+    return wrap(sock, server_side=False, dmb_size=dmb_size)
+
+
+class _Registration:
+    """A listening socket's LISTEN registration with smcd, renewed if the daemon comes back."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, listener: _socket.socket) -> None:
+        self._listener = listener
+        self._control: _socket.socket | None = None
+        self.listener_id: int | None = None
+        self.fallback: Fallback | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()  # accept loops may ask from several threads
+        self._register()
+
+    def _register(self) -> None:
+        self._next_try = time.monotonic() + self.RETRY_S
+        result = _exchange(messages.Listen(), _BaseSocket.fileno(self._listener), "LISTEN")
+        if isinstance(result, Fallback):
+            self.fallback = result
+            log.debug("listener not registered: %s", result)
+            return
+        ctl, reply, fds = result
+        messages.close_fds(fds)
+        if isinstance(reply, messages.Ok):
+            self._control, self.listener_id, self.fallback = ctl, reply.ident, None
+            log.debug("listener %d registered", reply.ident)
+            return
+        ctl.close()
+        self.fallback = reply if isinstance(reply, Fallback) else _unexpected(reply, "LISTEN")
+
+    @property
+    def active(self) -> bool:
+        """True while the daemon holds the registration; one poll(0) per call, and a retry at
+        most every second once the daemon dropped it (e.g. restarted)."""
+        with self._lock:
+            ctl = self._control
+            if ctl is not None:
+                events = select.poll()
+                events.register(ctl, select.POLLIN)
+                if events.poll(0):  # HUP (nothing is ever sent after OK): the daemon let go
+                    ctl.close()
+                    self._control = self.listener_id = None
+            if self._control is None and time.monotonic() >= self._next_try:
+                self._register()
+            return self._control is not None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._control is not None:
+                self._control.close()
+                self._control = None
+            self._next_try = float("inf")  # closed for good: never register again
+
+
+def _accepted(conn: _socket.socket, reg: _Registration, dmb_size: int = 0) -> SmcSocket:
+    """An accepted connection as an SmcSocket: handed off while the listener is registered
+    (only then can a same-host client have proposed SMC), else plain TCP with the reason."""
+    if reg.active:
+        return wrap(conn, server_side=True, dmb_size=dmb_size)
+    timeout = conn.gettimeout()
+    plain = SmcSocket(conn.family, conn.type, conn.proto, fileno=conn.detach())
+    plain.settimeout(timeout)
+    plain._fallback = reg.fallback or messages.daemon_unavailable("listener not registered")
+    return plain
+
+
+class SmcServer:
+    """A listening TCP socket registered with smcd (LISTEN) whose ``accept`` hands off.
+
+    Registration lets same-host clients know this listener speaks SMC. While registered,
+    ``accept`` offers each connection to the daemon (ACCEPT), which hands plain TCP clients back
+    untouched; when the daemon is unavailable, accepted sockets are plain TCP with the reason
+    (``.fallback`` of the server and of each accepted socket).
+    """
+
+    def __init__(self, sock: _socket.socket, *, dmb_size: int = 0) -> None:
+        self.socket = sock
+        self.dmb_size = dmb_size
+        self._reg = _Registration(sock)
+
+    @property
+    def registered(self) -> bool:
+        return self._reg.active
+
+    @property
+    def listener_id(self) -> int | None:
+        return self._reg.listener_id
+
+    @property
+    def fallback(self) -> Fallback | None:
+        """Why the listener is not registered (None while it is)."""
+        return self._reg.fallback
+
+    def accept(self) -> tuple[SmcSocket, Any]:
+        conn, addr = self.socket.accept()
+        return _accepted(conn, self._reg, self.dmb_size), addr
+
+    def fileno(self) -> int:
+        return self.socket.fileno()
+
+    def getsockname(self) -> Any:
+        return self.socket.getsockname()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.socket.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self.socket.gettimeout()
+
+    def setblocking(self, flag: bool) -> None:
+        self.socket.setblocking(flag)
+
+    def close(self) -> None:
+        self._reg.close()
+        self.socket.close()
+
+    def __enter__(self) -> SmcServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"listener {self.listener_id}" if self.listener_id else f"tcp ({self.fallback})"
+        return f"<SmcServer {self.socket.getsockname()!r} {state}>"
+
+
+def listen(
+    address: tuple[str, int],
+    backlog: int | None = None,
+    *,
+    family: int = _socket.AF_INET,
+    reuse_port: bool = False,
+    dmb_size: int = 0,
+) -> SmcServer:
+    """``socket.create_server`` then register it with smcd: an :class:`SmcServer`."""
+    sock = _socket.create_server(address, family=family, backlog=backlog, reuse_port=reuse_port)
+    return SmcServer(sock, dmb_size=dmb_size)

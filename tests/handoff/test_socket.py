@@ -1,0 +1,780 @@
+"""SmcSocket: the same observable behaviour as a TCP socket, over a real shared-memory channel.
+
+Every behavioural test runs three times against a connected pair: ``tcp`` (two plain kernel TCP
+sockets: the reference), ``fallback`` (SmcSockets with no daemon: TCP with a reason) and
+``smcd`` (SmcSockets whose data moves through a real :class:`smc_handoff.channel.Channel` made
+with ``make_pair``). The channel pair is handed over by :class:`MiniDaemon`, a real SEQPACKET
+server speaking the handoff protocol (:mod:`smc_handoff.messages`) that pairs the two halves of
+a TCP connection by their 4-tuple, without CLC: the daemon side proper (CLC over TCP, DMB pool)
+is tested with the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smc_handoff
+from smc_handoff import messages as m
+from smc_handoff.channel import make_pair
+from smc_handoff.socket import SmcSocket
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class MiniDaemon:
+    """The daemon half of the handoff protocol reduced to pairing (see the module docstring).
+
+    ``behaviour`` chooses the answer to CONNECT/ACCEPT: ``pair`` (CHANNEL once both halves of
+    the TCP connection arrived), ``fallback``, ``error``, ``garbage`` or ``silent``.
+    """
+
+    def __init__(self, path: Path, behaviour: str = "pair", dmb_size: int = 65536) -> None:
+        self.path = path
+        self.behaviour = behaviour
+        self.dmb_size = dmb_size
+        self.requests: list[m.Message] = []
+        self.notices: list[m.Message] = []
+        self.pending: dict[Any, tuple[socket.socket, int]] = {}
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.next_id = 1
+        self.stopped = False
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(path))
+        self.listener.listen(64)
+        self.listener.settimeout(0.05)
+        self.thread = threading.Thread(target=self._accept_loop, daemon=True)
+        self.thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.stopped:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            with self.lock:
+                self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _ident(self) -> int:
+        with self.lock:
+            self.next_id += 1
+            return self.next_id - 1
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            msg, fds = m.recv_message(conn, requests=True)
+        except m.HandoffProtocolError as e:
+            m.send_message(conn, m.Error(e.code, str(e)))
+            conn.close()
+            return
+        except OSError:
+            return
+        self.requests.append(msg)
+        if isinstance(msg, m.Listen):
+            m.close_fds(fds)
+            m.send_message(conn, m.Ok(self._ident()))
+        elif isinstance(msg, m.Connect | m.Accept):
+            self._handoff(conn, msg, fds[0])
+        elif isinstance(msg, m.Resume):
+            m.close_fds(fds)
+            m.send_message(conn, m.Ok(self._ident() + 100))
+        else:
+            m.close_fds(fds)
+            m.send_message(conn, m.Error(m.ErrorCode.BAD_STATE, "not a first request"))
+        self._notices(conn)
+
+    def _handoff(self, conn: socket.socket, msg: m.Connect | m.Accept, fd: int) -> None:
+        tcp = socket.socket(fileno=fd)
+        here, there = tcp.getsockname(), tcp.getpeername()
+        if self.behaviour == "fallback":
+            tcp.setblocking(False)  # O_NONBLOCK is shared: the library must restore its mode
+        tcp.close()  # before replying: the application's close() must really close TCP
+        if self.behaviour == "fallback":
+            m.send_message(conn, m.Fallback(0x03010000, "PEERNOSMC", "no SMC peer", 0x7))
+        elif self.behaviour == "error":
+            m.send_message(conn, m.Error(m.ErrorCode.INTERNAL, "boom"))
+        elif self.behaviour == "garbage":
+            conn.send(b"SMCH garbage")
+        elif self.behaviour == "pair":
+            key = (here, there) if isinstance(msg, m.Connect) else (there, here)
+            size = msg.dmb_size or self.dmb_size
+            with self.lock:
+                other = self.pending.pop(key, None)
+                if other is None:
+                    self.pending[key] = (conn, size)
+                    return
+            other_conn, other_size = other
+            ident = self._ident()
+            end_a, end_b = make_pair(other_size, size)
+            for c, end in ((other_conn, end_a), (conn, end_b)):
+                reply = m.Channel(ident, m.Mode.SMCD, end.rx_size, end.tx_size)
+                m.send_message(c, reply, end.fds())
+                end.close()
+        # "silent": never answer
+
+    def _notices(self, conn: socket.socket) -> None:
+        while True:
+            try:
+                msg, fds = m.recv_message(conn, requests=True)
+            except (OSError, m.HandoffError):
+                return
+            m.close_fds(fds)
+            self.notices.append(msg)
+
+    def wait_notice(self, kind: type, timeout: float = 2.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in self.notices:
+                if isinstance(n, kind):
+                    return n
+            time.sleep(0.01)
+        raise AssertionError(f"no {kind.__name__} notice; got {self.notices}")
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.listener.close()
+        self.thread.join(2)
+        with self.lock:
+            for c in self.conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+                c.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MiniDaemon]:
+    d = MiniDaemon(tmp_path / "handoff.sock")
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(d.path))
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def no_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "absent" / "handoff.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(path))
+    return path
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
+
+
+def wrapped_pair(**kw: Any) -> tuple[SmcSocket, SmcSocket]:
+    """Both halves handed off concurrently (a real daemon answers each when both arrived)."""
+    client, server = tcp_pair()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["client"] = smc_handoff.wrap(client, **kw)
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    s = smc_handoff.wrap(server, server_side=True, **kw)
+    t.join(10)
+    if "error" in out:
+        raise out["error"]
+    return out["client"], s
+
+
+@pytest.fixture(params=["tcp", "fallback", "smcd"])
+def pair(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Any, Any]]:
+    kind = request.param
+    d = None
+    if kind == "tcp":
+        a, b = tcp_pair()
+    elif kind == "fallback":
+        monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(tmp_path / "absent.sock"))
+        a, b = wrapped_pair()
+        assert a.mode == b.mode == "tcp"
+    else:
+        d = MiniDaemon(tmp_path / "h.sock")
+        monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(d.path))
+        a, b = wrapped_pair()
+        assert a.mode == b.mode == "smcd", (a.fallback, b.fallback)
+    yield a, b
+    a.close()
+    b.close()
+    if d is not None:
+        d.stop()
+
+
+def abort(sock: Any) -> None:
+    """Reset the connection: SmcSocket.abort(), or SO_LINGER 0 + close on a plain socket."""
+    if isinstance(sock, SmcSocket):
+        sock.abort()
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+def readable(sock: Any, timeout: float) -> bool:
+    return bool(selectors_select(sock, timeout))
+
+
+def selectors_select(sock: Any, timeout: float) -> list[Any]:
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        return sel.select(timeout)
+
+
+def recv_exactly(sock: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        assert chunk, "unexpected EOF"
+        buf += chunk
+    return bytes(buf)
+
+
+# --- behaviour: identical for tcp, fallback and smcd -------------------------------------------
+
+
+def test_send_recv_and_names(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    assert a.getpeername() == b.getsockname() and b.getpeername() == a.getsockname()
+    assert a.send(b"hello") == 5
+    assert recv_exactly(b, 5) == b"hello"
+    buf = bytearray(10)
+    b.sendall(b"world")
+    got = 0
+    while got < 5:
+        got += a.recv_into(memoryview(buf)[got:], 5 - got)
+    assert bytes(buf[:5]) == b"world"
+    assert a.send(b"") == 0 and a.recv(0) == b""
+
+
+def test_bulk_both_directions_integrity(pair: tuple[Any, Any]) -> None:
+    """1.5 MiB each way in odd-sized writes through a 64 KiB ring (many wraps), concurrently."""
+    a, b = pair
+    data = os.urandom(1_500_007)
+    digests: dict[str, str] = {}
+
+    def reader(sock: Any, name: str) -> None:
+        h = hashlib.sha256()
+        n = 0
+        while n < len(data):
+            chunk = sock.recv(70_001)
+            assert chunk
+            h.update(chunk)
+            n += len(chunk)
+        digests[name] = h.hexdigest()
+
+    threads = [
+        threading.Thread(target=reader, args=(b, "b")),
+        threading.Thread(target=reader, args=(a, "a")),
+    ]
+    for t in threads:
+        t.start()
+    view = memoryview(data)
+    for i in range(0, len(data), 33_333):
+        a.sendall(view[i : i + 33_333])
+    b.sendall(data)
+    for t in threads:
+        t.join(20)
+    want = hashlib.sha256(data).hexdigest()
+    assert digests == {"a": want, "b": want}
+
+
+def test_eof_after_peer_shutdown_wr(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    b.sendall(b"last words")
+    b.shutdown(socket.SHUT_WR)
+    assert recv_exactly(a, 10) == b"last words"
+    assert a.recv(100) == b""
+    assert a.recv(100) == b""  # EOF stays EOF
+    a.sendall(b"still open the other way")  # half-close: a can still write
+    assert recv_exactly(b, 24) == b"still open the other way"
+
+
+def test_eof_after_peer_close(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    b.sendall(b"bye")
+    b.close()
+    assert recv_exactly(a, 3) == b"bye"
+    assert a.recv(10) == b""
+
+
+def test_close_with_unread_data_resets_peer(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    a.sendall(b"unread")
+    assert readable(b, 2)
+    b.close()  # data still unread: an abort (TCP: RST)
+    a.settimeout(2)
+    with pytest.raises(ConnectionResetError):
+        while a.recv(10):
+            pass
+
+
+def test_abort_resets_peer(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    abort(b)
+    a.settimeout(2)
+    with pytest.raises(ConnectionResetError):
+        a.recv(10)
+
+
+def test_recv_timeout(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    a.settimeout(0.2)
+    assert a.gettimeout() == 0.2
+    t0 = time.monotonic()
+    with pytest.raises(socket.timeout):
+        a.recv(1)
+    assert 0.15 <= time.monotonic() - t0 < 2
+    b.sendall(b"z")  # the socket is still usable after a timeout
+    assert a.recv(1) == b"z"
+
+
+def test_send_timeout_when_peer_does_not_read(pair: tuple[Any, Any]) -> None:
+    a, _b = pair
+    a.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        a.sendall(b"x" * (64 << 20))
+
+
+def test_non_blocking(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    a.setblocking(False)
+    assert a.gettimeout() == 0.0
+    with pytest.raises(BlockingIOError):
+        a.recv(1)
+    with pytest.raises(BlockingIOError):
+        b.recv(1, socket.MSG_DONTWAIT)
+    chunk = b"y" * 65536
+    sent = 0
+    with pytest.raises(BlockingIOError):
+        while sent < (64 << 20):
+            sent += a.send(chunk)
+    assert sent > 0
+    got = 0
+    b.settimeout(2)
+    while got < sent:
+        got += len(b.recv(1 << 20))
+    a.setblocking(True)
+    a.sendall(b"!")
+    assert b.recv(1) == b"!"
+
+
+def test_select_and_selectors(pair: tuple[Any, Any]) -> None:
+    import select
+
+    a, b = pair
+    assert select.select([a], [], [], 0)[0] == []
+    assert selectors_select(a, 0) == []
+    b.sendall(b"x")
+    assert select.select([a], [], [], 2)[0] == [a]
+    assert len(selectors_select(a, 2)) == 1
+    assert a.recv(1) == b"x"
+    assert select.select([a], [], [], 0.05)[0] == []  # drained: not readable any more
+    b.shutdown(socket.SHUT_WR)
+    assert select.select([a], [], [], 2)[0] == [a]  # EOF is readable
+    assert a.recv(1) == b""
+    assert select.select([a], [], [], 0)[0] == [a]  # and stays so
+
+
+def test_select_wakes_for_abort(pair: tuple[Any, Any]) -> None:
+    import select
+
+    a, b = pair
+    assert select.select([a], [], [], 0)[0] == []
+    abort(b)
+    assert select.select([a], [], [], 2)[0] == [a]
+    with pytest.raises(ConnectionResetError):
+        a.recv(1)
+
+
+def test_makefile_and_deferred_close(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    tw, tr = b.makefile("w", encoding="utf-8"), a.makefile("r", encoding="utf-8")
+    tw.write("é\n")
+    tw.flush()
+    assert tr.readline() == "é\n"
+    tw.close()
+    tr.close()
+    wf = a.makefile("wb")
+    rf = b.makefile("rb")
+    wf.write(b"line one\nline two\n")
+    wf.flush()
+    assert rf.readline() == b"line one\n"
+    assert rf.readline() == b"line two\n"
+    a.close()  # a makefile is still open: the connection stays up (as socket.socket does)
+    wf.write(b"after close\n")
+    wf.flush()
+    assert rf.readline() == b"after close\n"
+    wf.close()  # last reference: now really closed
+    assert rf.read() == b""
+
+
+def test_shutdown_wr_then_send_is_broken_pipe(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(BrokenPipeError):
+        a.send(b"x")
+    assert b.recv(1) == b""
+
+
+def test_shutdown_rd_reads_eof(pair: tuple[Any, Any]) -> None:
+    a, _b = pair
+    a.shutdown(socket.SHUT_RD)
+    assert a.recv(10) == b""
+
+
+def test_use_after_close(pair: tuple[Any, Any]) -> None:
+    a, _b = pair
+    a.close()
+    assert a.fileno() == -1
+    for call in (lambda: a.recv(1), lambda: a.send(b"x"), lambda: a.shutdown(socket.SHUT_WR)):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno == errno.EBADF
+    a.close()  # idempotent
+
+
+def test_context_manager_closes(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    with a:
+        a.sendall(b"ctx")
+    assert a.fileno() == -1
+    assert recv_exactly(b, 3) == b"ctx"
+    assert b.recv(1) == b""
+
+
+# --- SMC specifics ------------------------------------------------------------------------------
+
+
+def test_smc_mode_and_notices(daemon: MiniDaemon) -> None:
+    a, b = wrapped_pair(dmb_size=16384)
+    assert (a.mode, b.mode, a.fallback, b.fallback) == ("smcd", "smcd", None, None)
+    assert a.conn_id == b.conn_id and a.conn_id is not None
+    assert "mode=smcd" in repr(a)
+    assert [type(r) for r in daemon.requests] in ([m.Connect, m.Accept], [m.Accept, m.Connect])
+    assert all(r.dmb_size == 16384 for r in daemon.requests)  # type: ignore[union-attr]
+    with pytest.raises(OSError) as info:
+        a.dup()
+    assert info.value.errno == errno.EOPNOTSUPP
+    with pytest.raises(OSError):
+        a.recv(1, socket.MSG_PEEK)
+    a.sendall(b"x" * 100)
+    assert recv_exactly(b, 100) == b"x" * 100
+    a.shutdown(socket.SHUT_WR)
+    assert daemon.wait_notice(m.Shutdown) == m.Shutdown(socket.SHUT_WR)
+    a.close()
+    assert daemon.wait_notice(m.Close) == m.Close(False, 100, 0)
+    b.close()
+
+
+def test_tcp_socket_closes_with_the_smc_socket(daemon: MiniDaemon) -> None:
+    """The daemon kept no copy: closing the SmcSocket closes the TCP connection too."""
+    a, b = wrapped_pair()
+    assert a.mode == "smcd"
+    peer = socket.socket(fileno=os.dup(socket.socket.fileno(b)))  # the server's TCP descriptor
+    a.close()
+    peer.settimeout(2)
+    assert peer.recv(1) == b""  # FIN arrived: no other copy held the client's TCP socket open
+    peer.close()
+    b.close()
+
+
+def test_detach_before_data_continues_on_tcp(daemon: MiniDaemon) -> None:
+    """What ssl does at both ends: take the descriptors over before any byte moved."""
+    a, b = wrapped_pair()
+    fa, fb = a.detach(), b.detach()
+    assert a.fallback is not None and a.fallback.code == m.FALLBACK_DETACHED
+    assert daemon.wait_notice(m.Close) == m.Close(False, 0, 0)
+    with socket.socket(fileno=fa) as ta, socket.socket(fileno=fb) as tb:
+        ta.sendall(b"over tcp now")
+        assert recv_exactly(tb, 12) == b"over tcp now"
+    c, d = wrapped_pair()
+    c.sendall(b"x")
+    with pytest.raises(OSError) as info:
+        c.detach()
+    assert info.value.errno == errno.EOPNOTSUPP and c.mode == "smcd"
+    c.close()
+    d.close()
+
+
+CHILD = r"""
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import smc_handoff
+s = smc_handoff.connect(("127.0.0.1", {port}))
+s.sendall(s.mode.encode() + b"\n")
+if sys.argv[1] == "stream":
+    import hashlib
+    data = bytes(range(256)) * 32768  # 8 MiB
+    for i in range(0, len(data), 9973):
+        s.sendall(data[i:i + 9973])
+    s.sendall(hashlib.sha256(data).hexdigest().encode())
+    s.close()
+else:
+    time.sleep(60)
+"""
+
+
+def _child_connection(daemon: MiniDaemon, how: str) -> tuple[subprocess.Popen[bytes], SmcSocket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        code = CHILD.format(repo=str(REPO), port=listener.getsockname()[1])
+        child = subprocess.Popen([sys.executable, "-c", code, how])
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+    s = smc_handoff.wrap(conn, server_side=True)
+    assert s.mode == "smcd", s.fallback
+    s.settimeout(10)
+    assert s.makefile("rb").readline() == b"smcd\n"
+    return child, s
+
+
+def test_cross_process_stream(daemon: MiniDaemon) -> None:
+    child, s = _child_connection(daemon, "stream")
+    data = bytes(range(256)) * 32768
+    got = recv_exactly(s, len(data) + 64)
+    assert got[: len(data)] == data
+    assert got[len(data) :] == hashlib.sha256(data).hexdigest().encode()
+    assert s.recv(1) == b""
+    assert child.wait(10) == 0
+    s.close()
+
+
+def test_sigkill_of_the_peer_is_a_reset_within_a_second(daemon: MiniDaemon) -> None:
+    child, s = _child_connection(daemon, "sleep")
+    import select
+
+    # The child's wakeup for the line we read may land after we read it (its process can be
+    # descheduled between publishing and kicking): let it land, then a non-blocking recv, as a
+    # select loop does, clears that stale readiness.
+    time.sleep(0.2)
+    s.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        s.recv(1)
+    assert select.select([s], [], [], 0)[0] == []
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGKILL)
+    child.wait(5)
+    assert select.select([s], [], [], 2)[0] == [s]
+    with pytest.raises(ConnectionResetError):
+        s.recv(1)
+    assert time.monotonic() - t0 < 1.0
+    s.close()
+
+
+def test_daemon_restart_keeps_the_channel_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "h.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(path))
+    first = MiniDaemon(path)
+    a, b = wrapped_pair()
+    old_id = a.conn_id
+    first.stop()  # the daemon dies: both control connections hang up
+    a.sendall(b"still here")  # the channel does not need the daemon
+    assert recv_exactly(b, 10) == b"still here"
+    second = MiniDaemon(path)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+            len([r for r in second.requests if isinstance(r, m.Resume)]) < 2
+            or a.conn_id == old_id
+            or b.conn_id == old_id
+        ):
+            for s in (a, b):  # waiting is when the library looks at its control connection
+                s.settimeout(0.05)
+                with contextlib.suppress(TimeoutError):
+                    s.recv(1)
+        resumes = {r.role: r for r in second.requests if isinstance(r, m.Resume)}
+        assert resumes[m.Role.CLIENT] == m.Resume(
+            old_id, m.Role.CLIENT, m.Mode.SMCD, 65536, 65536, bytes_sent=10
+        )
+        assert resumes[m.Role.SERVER] == m.Resume(
+            old_id, m.Role.SERVER, m.Mode.SMCD, 65536, 65536, bytes_received=10
+        )
+        assert a.conn_id is not None and a.conn_id > 100 and b.conn_id is not None
+        a.close()
+        assert second.wait_notice(m.Close).bytes_sent == 10  # notices go to the new daemon
+        b.close()
+    finally:
+        second.stop()
+
+
+# --- degrading to TCP ---------------------------------------------------------------------------
+
+
+def _fallback_pair() -> tuple[SmcSocket, SmcSocket]:
+    a, b = wrapped_pair()
+    assert a.mode == b.mode == "tcp"
+    a.sendall(b"tcp works")
+    assert recv_exactly(b, 9) == b"tcp works"
+    return a, b
+
+
+def test_no_daemon_is_tcp_with_the_reason_at_both_ends(no_daemon: Path) -> None:
+    server = smc_handoff.listen(("127.0.0.1", 0))
+    assert not server.registered and server.fallback is not None
+    assert server.fallback.code == m.FALLBACK_DAEMON_UNAVAILABLE
+    client = smc_handoff.connect(server.getsockname(), timeout=5)
+    conn, addr = server.accept()
+    assert addr == client.getsockname()
+    for s in (client, conn):
+        assert s.mode == "tcp" and s.fallback is not None
+        assert s.fallback.code == m.FALLBACK_DAEMON_UNAVAILABLE == 0xFF000001
+        assert s.fallback.name == "DAEMON_UNAVAILABLE"
+        assert "daemon unavailable" in s.fallback.explanation
+        assert str(no_daemon) in s.fallback.explanation
+    assert client.gettimeout() == 5
+    client.sendall(b"ping")
+    assert recv_exactly(conn, 4) == b"ping"
+    for s in (client, conn, server):
+        s.close()
+
+
+def test_refused_and_stale_socket_is_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(stale))
+    s.close()  # the path exists, nobody listens: ECONNREFUSED
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(stale))
+    a, b = _fallback_pair()
+    assert a.fallback is not None and "Connection refused" in a.fallback.explanation
+    a.close()
+    b.close()
+
+
+def test_daemon_fallback_reason_passes_through_and_blocking_is_restored(daemon: MiniDaemon) -> None:
+    daemon.behaviour = "fallback"
+    a, b = _fallback_pair()
+    want = m.Fallback(0x03010000, "PEERNOSMC", "no SMC peer", 0x7)
+    assert a.fallback == want and b.fallback == want
+    assert os.get_blocking(a.fileno()) and a.gettimeout() is None  # daemon set O_NONBLOCK
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "code", "text"),
+    [
+        ("error", m.FALLBACK_DAEMON_ERROR, "refused: INTERNAL: boom"),
+        ("garbage", m.FALLBACK_DAEMON_ERROR, "invalid reply"),
+        ("silent", m.FALLBACK_DAEMON_UNAVAILABLE, "no reply to CONNECT within 0.3 s"),
+    ],
+)
+def test_broken_daemon_degrades_to_tcp(
+    daemon: MiniDaemon, monkeypatch: pytest.MonkeyPatch, behaviour: str, code: int, text: str
+) -> None:
+    daemon.behaviour = behaviour
+    monkeypatch.setenv("SMCD_HANDOFF_TIMEOUT", "0.3")
+    a, b = _fallback_pair()
+    assert a.fallback is not None and a.fallback.code == code
+    assert text in a.fallback.explanation
+    a.close()
+    b.close()
+
+
+def test_daemon_of_another_user_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.getuid() != 0:
+        pytest.fail("this test needs root (to run the impostor as nobody); CI runs as root")
+    where = Path(tempfile.mkdtemp(prefix="smc-impostor-"))
+    where.chmod(0o777)
+    path = where / "handoff.sock"
+    code = (
+        "import os, socket, sys, time\n"
+        "os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        f"s.bind({str(path)!r}); s.listen(8)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    c, _ = s.accept()\n"
+    )
+    impostor = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline() == b"ready\n"
+        monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(path))
+        a, b = _fallback_pair()
+        assert a.fallback is not None and a.fallback.code == m.FALLBACK_DAEMON_UNAVAILABLE
+        assert "uid 65534" in a.fallback.explanation
+        a.close()
+        b.close()
+    finally:
+        impostor.kill()
+        impostor.wait()
+        path.unlink(missing_ok=True)
+        where.rmdir()
+
+
+# --- the listener -------------------------------------------------------------------------------
+
+
+def test_listen_registers_and_accept_hands_off(daemon: MiniDaemon) -> None:
+    with smc_handoff.listen(("127.0.0.1", 0)) as server:
+        assert server.registered and server.listener_id == 1 and server.fallback is None
+        assert "listener 1" in repr(server)
+        out: dict[str, SmcSocket] = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault("c", smc_handoff.connect(server.getsockname()))
+        )
+        t.start()
+        conn, _ = server.accept()
+        t.join(10)
+        client = out["c"]
+        assert conn.mode == client.mode == "smcd"
+        client.sendall(b"over smc")
+        assert recv_exactly(conn, 8) == b"over smc"
+        client.close()
+        conn.close()
+        assert isinstance(daemon.requests[0], m.Listen)
+        daemon.stop()  # the daemon goes away: the registration is dropped
+        deadline = time.monotonic() + 2
+        while server.registered and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not server.registered
+        again = MiniDaemon(daemon.path)  # a new daemon: registered again (retried each second)
+        try:
+            deadline = time.monotonic() + 3
+            while not server.registered and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.registered and isinstance(again.requests[0], m.Listen)
+        finally:
+            again.stop()
+
+
+def test_wrap_refuses_non_tcp() -> None:
+    a, b = socket.socketpair()
+    with pytest.raises(ValueError, match="stream sockets"):
+        smc_handoff.wrap(a)
+    a.close()
+    b.close()
+    with socket.socket() as unconnected, pytest.raises(OSError) as info:
+        smc_handoff.wrap(unconnected)
+    assert info.value.errno == errno.ENOTCONN
