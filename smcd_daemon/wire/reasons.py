@@ -27,6 +27,7 @@ __all__ = [
     "DeleteLinkReason",
     "Explanation",
     "LegacyDeclineReason",
+    "LocalReason",
     "ReasonCodeError",
     "class_of",
     "explain",
@@ -79,6 +80,20 @@ class DeclineReason(IntEnum):
     ERR_RTOK = 0x09990001
     ERR_RDYLNK = 0x09990002
     ERR_REGBUF = 0x09990003
+
+
+class LocalReason(IntEnum):
+    """smcd's own fallback codes (class 0xFF, which the kernel never uses).
+
+    They describe why a connection stayed on TCP before any SMC peer was involved, so they never
+    travel in a CLC Decline. The values are defined by the client library (``smc_handoff.messages``
+    ``FALLBACK_*``); a test keeps the two in step.
+    """
+
+    DAEMON_UNAVAILABLE = 0xFF000001
+    DAEMON_ERROR = 0xFF000002
+    CHANNEL_UNSUPPORTED = 0xFF000003
+    DETACHED = 0xFF000004
 
 
 class LegacyDeclineReason(IntEnum):
@@ -146,6 +161,28 @@ CLASS_DESCRIPTIONS: dict[int, str] = {
     0x07: "send (Linux before 4.16): a CLC message could not be sent",
     0x09: "internal: a local failure of the SMC stack (RDMA setup, registration)",
     0x99: "internal (older Linux numbering): a local failure of the SMC stack",
+    0xFF: "smcd local: the connection stayed on TCP before any SMC peer was asked",
+}
+
+_LOCAL: dict[int, tuple[str, str]] = {
+    LocalReason.DAEMON_UNAVAILABLE: (
+        "no smcd daemon answered the handoff (socket missing, refused, timed out or not trusted)",
+        "Start smcd (systemctl start smcd.socket smcd.service) or point SMCD_HANDOFF_SOCKET at "
+        "its handoff socket; the application keeps working on TCP meanwhile.",
+    ),
+    LocalReason.DAEMON_ERROR: (
+        "smcd answered the handoff with an error or a reply the library could not understand",
+        "Look at smcd's log (journalctl -u smcd) for the refused request; check that the "
+        "application's smc_handoff and the daemon are the same version.",
+    ),
+    LocalReason.CHANNEL_UNSUPPORTED: (
+        "this machine cannot run the shared-memory channel (the library did not ask the daemon)",
+        "The shared-memory ring needs Linux memfd/eventfd on a supported CPU; nothing to tune.",
+    ),
+    LocalReason.DETACHED: (
+        "the application detached the TCP socket before any data moved (ssl does this)",
+        "Expected for TLS: the TLS session runs over TCP. Nothing to do.",
+    ),
 }
 
 _DECLINE: dict[int, tuple[str, str]] = {
@@ -424,6 +461,10 @@ def explain(code: int) -> Explanation:
         return Explanation(code, "CLC decline (older Linux)", name, meaning, advice, top, cls)
     if code in _DELETE_LINK:
         return explain_delete_link(code)
+    if code in _LOCAL:
+        meaning, advice = _LOCAL[code]
+        name = f"SMCD_FALLBACK_{LocalReason(code).name}"
+        return Explanation(code, "smcd local fallback", name, meaning, advice, top, cls)
     if code == 0:
         return Explanation(
             code,

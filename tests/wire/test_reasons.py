@@ -207,3 +207,15 @@ def test_parse_code_accepts_operator_spellings(text: str, value: int) -> None:
 def test_parse_code_rejects_garbage(text: str) -> None:
     with pytest.raises(ReasonCodeError):
         parse_code(text)
+
+
+def test_local_fallback_codes_match_the_client_library() -> None:
+    """smc_handoff defines the local codes; the explanations here must name the same values."""
+    from smc_handoff import messages
+    from smcd_daemon.wire.reasons import LocalReason
+
+    for reason in LocalReason:
+        assert getattr(messages, f"FALLBACK_{reason.name}") == reason.value
+        exp = explain(reason.value)
+        assert exp.known and exp.name == f"SMCD_FALLBACK_{reason.name}"
+        assert exp.class_byte == 0xFF and "smcd local" in exp.class_description
