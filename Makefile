@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all deps venv demo test lint typecheck pytest bench clean
+.PHONY: all deps venv demo test test-rdma lint typecheck pytest bench clean
 
 all: test
 
@@ -32,6 +32,10 @@ pytest: venv
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 test: venv lint typecheck pytest
+
+# The RDMA part alone: boots the Soft-RoCE VM (qemu/TCG, two rxe devices per host) once.
+test-rdma: venv
+	$(VPY) -m pytest tests/vm $(PYTEST_ARGS)
 
 demo: venv
 	$(VPY) -m smcd_daemon.demo

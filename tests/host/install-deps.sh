@@ -3,6 +3,9 @@
 # Used by `make test`/`make demo`; safe to run again.
 set -euo pipefail
 
+# The Soft-RoCE VM of tests/vm (qemu, busybox, tcpdump, ...) has its own list.
+bash "$(dirname "${BASH_SOURCE[0]}")/vm-deps.sh"
+
 PKGS=(
   python3 python3-venv python3-pip
   python3-pyverbs python3-systemd rdma-core ibverbs-providers libibverbs-dev

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Debian packages the Soft-RoCE VM of tests/vm needs, installed only when missing (quiet when all
+# are present). Called from tests/host/install-deps.sh; safe to run again.
+#
+#   qemu-system-x86  the emulator (TCG: the hosts' KVM cannot boot a stock kernel)
+#   busybox-static   virtme-ng's initramfs
+#   kmod             depmod for the unpacked kernel's modules, modprobe in the guest
+#   file             virtme-ng reads the kernel version from the image with it
+#   tcpdump          guest tests capture RoCEv2 (UDP 4791) on the virtio NICs
+#   iproute2         `ip` and `rdma link add ... type rxe` in the guest
+#   rdma-core ibverbs-providers python3-pyverbs   verbs (the rxe provider) for the guest tests
+#   apt dpkg         `apt-get download` + `dpkg-deb -x` of linux-image-amd64 (tests/vm/kernel.py)
+# The guest shares the host's root filesystem, so everything it runs comes from this list.
+# virtme-ng itself is a Python package: the `test` extra of pyproject.toml pins it.
+set -euo pipefail
+
+PKGS=(
+  qemu-system-x86 busybox-static kmod file tcpdump iproute2
+  rdma-core ibverbs-providers python3-pyverbs
+  apt dpkg
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "vm-deps: missing Debian packages: ${missing[*]}" >&2
+  echo "vm-deps: run as root, or: sudo apt-get install ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "vm-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,298 @@
+"""Host side of the Soft-RoCE VM: boot Debian's kernel with virtme-ng, run the guest tests, read
+their results back.
+
+One boot runs every selected guest test (TCG boots take 30-90 s on the CI machine, so one per
+session). The guest is emulated (``--disable-kvm``): the hosts' KVM here cannot run a stock
+kernel, and TCG behaves the same everywhere. Anything that keeps the VM from running is a
+:class:`VmError` whose message says what to install or where to look; the tests turn it into a
+failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.vm import topology
+from tests.vm.guest_main import (
+    DEFAULT_TEST_TIMEOUT,
+    GUEST_TESTS,
+    PYTEST_ENV,
+    REPO,
+    pytest_command,
+)
+from tests.vm.kernel import KernelTree
+
+__all__ = [
+    "GuestResult",
+    "VmError",
+    "VmRun",
+    "boot_and_test",
+    "collect_guest_tests",
+    "collected_guest_tests",
+    "preflight",
+    "vm_timeout",
+]
+
+VENV_BIN = Path(sys.executable).parent
+#: Whole VM run (boot + all guest tests + poweroff); SMCD_VM_TIMEOUT overrides.
+DEFAULT_VM_TIMEOUT = 1080
+VM_MEMORY = "2G"
+VM_CPUS = "2"
+
+
+def vm_timeout() -> int:
+    return int(os.environ.get("SMCD_VM_TIMEOUT", DEFAULT_VM_TIMEOUT))
+
+
+class VmError(RuntimeError):
+    """The VM could not be booted or did not report back."""
+
+
+@dataclass
+class GuestResult:
+    """A guest test's outcome over its setup/call/teardown phases (worst one wins)."""
+
+    nodeid: str
+    outcome: str = "passed"  # passed | failed | skipped | error
+    text: str = ""
+    duration: float = 0.0
+
+    def add(self, when: str, outcome: str, text: str, duration: float) -> None:
+        self.duration += duration
+        if outcome == "passed":
+            return
+        if outcome == "failed" and when != "call":
+            outcome = "error"  # fixture setup/teardown failed
+        if self.outcome == "passed" or outcome in ("failed", "error"):
+            self.outcome = outcome
+        self.text += f"[{when}] {text}\n"
+
+
+@dataclass
+class VmRun:
+    """What one VM boot produced; ``error`` is set when it did not get to run the tests."""
+
+    kernel: KernelTree
+    outdir: Path
+    elapsed: float = 0.0
+    returncode: int | None = None
+    error: str | None = None
+    guest: dict[str, Any] = field(default_factory=dict)
+    collected: list[str] | None = None
+    collect_errors: list[str] = field(default_factory=list)
+    results: dict[str, GuestResult] = field(default_factory=dict)
+    running: str | None = None  # a test that started and never reported its call phase
+    exitstatus: int | None = None
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        try:
+            text = (self.outdir / name).read_text(errors="replace").splitlines()
+        except OSError:
+            return f"({name}: not written)"
+        return "\n".join(text[-lines:])
+
+    def context(self) -> str:
+        """Everything a reader needs to see why the VM run went wrong."""
+        return (
+            f"VM output dir: {self.outdir}\n"
+            f"--- console (last lines) ---\n{self.tail('console.log')}\n"
+            f"--- guest pytest (last lines) ---\n{self.tail('guest-pytest.log')}\n"
+            f"--- guest.json ---\n{json.dumps(self.guest, indent=1)[:3000]}"
+        )
+
+
+def preflight() -> tuple[Path, Path]:
+    """The vng and qemu binaries, or a VmError saying how to install them."""
+    vng = VENV_BIN / "vng"
+    if not vng.exists():
+        found = shutil.which("vng")
+        if found is None:
+            raise VmError(
+                "virtme-ng is not installed in the test venv: "
+                ".venv/bin/pip install -e '.[test]' (it pins virtme-ng)"
+            )
+        vng = Path(found)
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        raise VmError(
+            "qemu-system-x86_64 not found: run tests/host/vm-deps.sh "
+            "(apt-get install qemu-system-x86)"
+        )
+    for tool in ("busybox", "depmod", "file"):
+        if shutil.which(tool) is None:
+            raise VmError(f"{tool} not found (virtme-ng needs it): run tests/host/vm-deps.sh")
+    return vng, Path(qemu)
+
+
+def collect_guest_tests() -> list[str]:
+    """Node ids of the guest tests, collected on the host (imports only, nothing runs)."""
+    cmd = [*pytest_command([], verbosity="-q"), "--collect-only"]
+    env = dict(os.environ, **PYTEST_ENV)
+    # the host may keep bytecode (the guest, on the read-only root, reuses it)
+    env.pop("PYTHONDONTWRITEBYTECODE")
+    env.pop("SMCD_VM_REPORT", None)
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    ids = [ln for ln in done.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
+    if done.returncode != 0 or not ids:
+        raise VmError(
+            f"collecting the guest tests in {GUEST_TESTS} failed (exit {done.returncode}):\n"
+            f"{done.stdout[-4000:]}{done.stderr[-2000:]}"
+        )
+    return ids
+
+
+@functools.cache
+def collected_guest_tests() -> tuple[tuple[str, ...], str | None]:
+    """:func:`collect_guest_tests` once per process: (node ids, None) or ((), the error)."""
+    try:
+        return tuple(collect_guest_tests()), None
+    except VmError as exc:
+        return (), str(exc)
+
+
+def _vng_command(vng: Path, kernel: KernelTree, outdir: Path) -> list[str]:
+    qemu_opts = " ".join(topology.qemu_args())
+    return [
+        str(vng),
+        "--disable-kvm",
+        "--run",
+        str(kernel.vmlinuz),
+        "--memory",
+        VM_MEMORY,
+        "--cpus",
+        VM_CPUS,
+        "--rwdir",
+        str(outdir),
+        f"--qemu-opts={qemu_opts}",
+        "--exec",
+        f"{sys.executable} -m tests.vm.guest_main {outdir}",
+    ]
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read_results(run: VmRun) -> None:
+    path = run.outdir / "results.jsonl"
+    if not path.exists():
+        return
+    started: list[str] = []
+    for line in path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        kind = ev.get("event")
+        if kind == "collected":
+            run.collected = ev["nodeids"]
+        elif kind == "collect_error":
+            run.collect_errors.append(f"{ev['nodeid']}: {ev['text']}")
+        elif kind == "start":
+            started.append(ev["nodeid"])
+        elif kind == "report":
+            res = run.results.setdefault(ev["nodeid"], GuestResult(ev["nodeid"]))
+            res.add(ev["when"], ev["outcome"], ev["text"], ev["duration"])
+        elif kind == "finish":
+            run.exitstatus = ev["exitstatus"]
+    finished = {n for n, _ in run.results.items()}
+    unfinished = [n for n in started if n not in finished]
+    if unfinished:
+        run.running = unfinished[-1]
+
+
+def boot_and_test(
+    kernel: KernelTree,
+    outdir: Path,
+    selection: list[str],
+    *,
+    timeout: int | None = None,
+    test_timeout: int = DEFAULT_TEST_TIMEOUT,
+) -> VmRun:
+    """Boot the VM once, run ``selection`` (guest node ids; [] = all), return what came back.
+
+    Never raises for a VM that misbehaves: that is recorded in ``VmRun.error`` so that each test
+    can fail with the reason.
+    """
+    timeout = timeout or vm_timeout()
+    outdir.mkdir(parents=True, exist_ok=True)
+    run = VmRun(kernel=kernel, outdir=outdir)
+    try:
+        vng, _qemu = preflight()
+    except VmError as exc:
+        run.error = str(exc)
+        return run
+    (outdir / "request.json").write_text(
+        json.dumps(
+            {
+                "selection": selection,
+                "test_timeout": test_timeout,
+                # leave the guest time to save dmesg and power off before the host kills it
+                "pytest_timeout": max(60, timeout - 150),
+            }
+        )
+    )
+    cmd = _vng_command(vng, kernel, outdir)
+    (outdir / "vng-command.txt").write_text(" ".join(cmd) + "\n")
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
+    env.pop("SMCD_VM_REPORT", None)
+    t0 = time.monotonic()
+    with open(outdir / "console.log", "wb") as console:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so a timeout can end vng and its qemu together
+        )
+        try:
+            run.returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            run.error = f"the VM did not finish within {timeout} s (SMCD_VM_TIMEOUT) and was killed"
+        except BaseException:
+            _kill_group(proc)
+            raise
+    run.elapsed = time.monotonic() - t0
+    try:
+        run.guest = json.loads((outdir / "guest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        run.guest = {}
+    _read_results(run)
+    if run.error is None:
+        if not run.guest:
+            run.error = (
+                f"the VM exited (vng status {run.returncode}) without starting the guest "
+                f"program: boot failure?"
+            )
+        elif "setup_error" in run.guest:
+            run.error = f"guest network/Soft-RoCE setup failed: {run.guest['setup_error']}"
+        elif "pytest_error" in run.guest:
+            run.error = run.guest["pytest_error"]
+        elif (outdir / "guest-crash.txt").exists():
+            run.error = "the guest program crashed:\n" + (outdir / "guest-crash.txt").read_text()
+    return run
