@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import subprocess
 import sys
@@ -274,6 +275,19 @@ def _capabilities(cfg: Config) -> tuple[str, ...]:
     return tuple(caps)
 
 
+def _raise_fd_limit() -> None:
+    """Each SMC connection holds a handoff connection per half and two DMB memfds: lift the soft
+    descriptor limit to the hard one (systemd's default soft limit is 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, e)
+
+
 class Daemon:
     """One running smcd. :meth:`run` returns the exit status."""
 
@@ -374,11 +388,18 @@ class Daemon:
             if extra is not listener:
                 log.warning("ignoring inherited socket %s: not the handoff socket", extra)
                 extra.close()
+        _raise_fd_limit()
+        parts: dict[str, Any] = {
+            "config": cfg,
+            "registry": self.registry,
+            "eids": self.eids,
+            "loopback_gid": int.from_bytes(self.inventory.loopback_ism.gid, "big"),
+        }
         if listener is not None:
-            self.handoff = HandoffServer(listener, owns_path=False)
+            self.handoff = HandoffServer(listener, owns_path=False, **parts)
             log.info("handoff socket %s inherited (socket activation)", cfg.handoff_socket)
         else:
-            self.handoff = HandoffServer.bind(cfg.handoff_socket)
+            self.handoff = HandoffServer.bind(cfg.handoff_socket, **parts)
             log.info("handoff socket %s bound", cfg.handoff_socket)
         self.handoff.start()
 
@@ -545,6 +566,8 @@ class Daemon:
             setup_logging(cfg.log_level)
         if "modes.smcd_loopback" in applied:
             self.inventory.set_loopback_enabled(cfg.modes.smcd_loopback)
+        if self.handoff is not None:
+            self.handoff.configure(cfg)  # quotas, timeouts, modes, peers: for new handshakes
         if "eid.ueids" in applied:
             self._apply_config_ueids(old.eid.ueids, cfg.eid.ueids)
             try:

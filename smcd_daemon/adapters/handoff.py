@@ -1,68 +1,143 @@
-"""The handoff socket: where applications hand their TCP sockets to smcd (minimal until the
-handoff issue).
+"""The handoff server: where applications hand their TCP sockets to smcd and get an SMC-D channel
+(or their unchanged TCP socket and a reason) back.
 
-What is already real, because the rest of the daemon (systemd socket activation, the unit's
-``SocketMode=0666``, the tests of "the daemon survives garbage") depends on it:
+The protocol itself — framing, messages, descriptor lists, rules for both ends — is defined once,
+in :mod:`smc_handoff.messages`; this module is the daemon's end of it.
 
-- an ``AF_UNIX`` ``SOCK_SEQPACKET`` listener, inherited from systemd (``smcd.socket``) or bound by
-  the daemon itself (mode 0666, since every local application may hand off; callers are told
-  apart by ``SO_PEERCRED``, not by file permissions);
-- one task per client connection reading whole datagrams with ``recvmsg`` (so message boundaries,
-  truncation and ``SCM_RIGHTS`` descriptors are all seen), checking and logging the peer's
-  credentials, and answering every datagram with exactly one reply;
-- limits: a datagram longer than :data:`MAX_REQUEST` is refused as oversized, descriptors that
-  arrive with a request we do not use are closed at once (never leaked), at most
-  :data:`MAX_CLIENTS` connections are served at a time, and no input can end the server.
+The socket
+    ``AF_UNIX`` ``SOCK_SEQPACKET``, inherited from systemd (``smcd.socket``) or bound here with
+    mode 0666: every local application may hand off; callers are told apart by ``SO_PEERCRED``
+    (read on every connection; the uid decides the quotas and is recorded with each connection),
+    not by file permissions. Datagrams are read whole with ``recvmsg`` into a bounded buffer
+    (:data:`~smc_handoff.messages.MAX_MESSAGE` + 1 bytes, room for
+    :data:`~smc_handoff.messages.MAX_FDS` descriptors, close-on-exec). An invalid datagram is
+    answered with ERROR, logged, its descriptors closed, and that connection closed; nothing a
+    client sends can end the server or disturb another connection.
 
-What is not there yet is the handoff protocol itself. Until it arrives, a request is a UTF-8 JSON
-object with an integer ``"version"`` and a string ``"op"``; a well-formed one gets the error
-``unsupported``, anything else the error ``malformed`` or ``oversized``. A reply is a JSON object
-``{"version": 1, "ok": false, "error": <code>, "message": <text>}``. The handoff issue replaces the
-request decoding, keeping the socket, the credential check and the limits.
+One SEQPACKET connection per SMC connection
+    It stays open as long as what it registered: the daemon learns about SHUTDOWN/CLOSE notices
+    through it, and a hang-up (the application closed it, or died) releases that half's
+    resources. Listeners (LISTEN) live exactly as long as their connection.
+
+CONNECT (client half)
+    SMC is tried only toward peers known to speak it: a listener registered here whose address
+    is the TCP peer's (a wildcard listener matches any local address of this network namespace),
+    or an address in the configuration's ``peers``. Otherwise FALLBACK PEERNOSMC before a byte
+    is written. Then the client half is entered in the loopback device's pairing table under its
+    TCP 4-tuple and the CLC handshake runs over the borrowed descriptor (:mod:`.clc_io`).
+ACCEPT (server half)
+    The client's first bytes are peeked, never consumed, for a CLC eyecatcher, for at most
+    ``timeouts.proposal_wait``: other bytes, silence (a client that waits for the server to speak)
+    or EOF hand the socket back untouched with FALLBACK PEERNOSMC. A Proposal runs the server
+    negotiation, which accepts loopback-ism only when the pairing table holds this connection's
+    client half (matched 4-tuple, claimed once): never by GID alone.
+CHANNEL
+    Both halves of one TCP connection meet in a *pair* keyed by the 4-tuple (and checked by the
+    two DMB tokens each half negotiated). The pair owns the two eventfds and the peer-link
+    socketpair; each half is sent its receive DMB, the peer's DMB, its eventfd, the peer's and its
+    end of the peer link. The daemon closes every copy of the borrowed TCP descriptor before
+    replying, and its copies of the eventfds and peer-link ends once both halves have theirs: it
+    keeps only the DMB memfds (in the pool), which it maps read-only to show cursors and bytes.
+FALLBACK
+    With the negotiator's reason (kernel codes; PEERDECL plus the peer's diagnosis when the peer
+    declined). Past a quota: SMC_CLC_DECL_MAX_DMB. Fallen-back connections stay visible in the
+    registry for :data:`FALLBACK_LINGER` seconds (the daemon gave back its copy of the socket, so
+    it cannot see when the application closes it).
+Release
+    A half lets go of its DMB (unregister) and of its reference on the peer's (detach) when its
+    connection hangs up; the pool takes a buffer back only when both halves have let go.
+RESUME
+    After a daemon restart the library re-registers a live channel: the daemon records it again
+    (addresses from the TCP socket, byte counts from the library; it holds no copy of the DMBs,
+    so no cursors) in the link group of its loopback-ism device, so ``smcctl`` shows it until
+    the hang-up; the channel itself never depended on the daemon.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import errno
-import json
+import dataclasses
+import ipaddress
 import logging
+import mmap
 import os
 import socket
 import stat
 import struct
+import sys
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smc_handoff import messages as m
+from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.core.buffers import DmbPool, UnknownTokenError
+from smcd_daemon.core.eid import EidTable
+from smcd_daemon.core.registry import (
+    Connection,
+    ConnMode,
+    ConnRole,
+    ConnState,
+    LgrRole,
+    LinkGroup,
+    Registry,
+    RegistryError,
+    SmcType,
+)
 from smcd_daemon.errors import SmcError
+from smcd_daemon.protocol.negotiate import (
+    ClientNegotiation,
+    FallbackOutcome,
+    NegotiationFacts,
+    ServerNegotiation,
+    SmcdLoopbackOutcome,
+)
+from smcd_daemon.transport.loopback import (
+    Endpoint,
+    LinkGroupTable,
+    LoopbackIsm,
+    PairingError,
+    endpoint,
+)
+from smcd_daemon.wire.cdc import ConnStateFlag, SmcdCdcHeader
+from smcd_daemon.wire.cursor import Cursor
+from smcd_daemon.wire.reasons import DeclineReason, explain
 
 __all__ = [
+    "FALLBACK_LINGER",
     "MAX_CLIENTS",
-    "MAX_REQUEST",
-    "PROTOCOL_VERSION",
     "HandoffError",
     "HandoffServer",
     "HandoffStats",
     "PeerCred",
     "bind_seqpacket",
-    "decode_request",
-    "error_reply",
+    "peer_cred",
 ]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-MAX_REQUEST = 64 * 1024
-"""Largest request datagram; longer ones are answered ``oversized`` (and logged)."""
-MAX_FDS = 16
-"""Descriptors accepted with one request (the rest of SCM_RIGHTS is truncated by the kernel)."""
-MAX_CLIENTS = 1024
-"""Connections served at once; more are closed right after accept (and counted)."""
-
-UNSUPPORTED_MESSAGE = "unsupported: handoff arrives with the handoff issue"
+MAX_CLIENTS = 16384
+"""Handoff connections served at once (each SMC connection holds one per half); more are closed
+right after accept (and counted). The daemon raises its descriptor limit to match."""
+FALLBACK_LINGER = 30.0
+"""Seconds a fallen-back connection stays in the registry (see the module docstring)."""
+FALLBACK_KEEP = 256
+"""At most this many fallen-back connections are kept visible (the oldest go first)."""
+REFRESH_INTERVAL = 0.5
+"""Cursor/byte refresh period while SMC connections exist (no timer runs otherwise)."""
+LGR_FREE_DELAY = 10.0
+"""A link group without connections is freed after this delay (the kernel waits 10 minutes;
+loopback link groups cost nothing to recreate)."""
+PUBLISH_DELAY = 0.05
+"""New connections reach the registry (and D-Bus) in batches, this long after their handshake:
+exporting a D-Bus object costs more than the whole handshake, so it stays off that path, and a
+connection that is gone again before then is only counted, never exported."""
+CTRL_TRAILER = 128
+"""Bytes the channel (``smc_handoff._ring.CTRL_LEN``) maps after each DMB for its wakeup words."""
 
 
 class HandoffError(SmcError):
@@ -83,60 +158,21 @@ class PeerCred:
 
 @dataclass
 class HandoffStats:
-    """Counters of the handoff socket, for logs, STATUS= and tests."""
+    """Counters of the handoff socket, for logs and tests."""
 
     connections: int = 0
     refused_connections: int = 0
     requests: int = 0
-    unsupported: int = 0
-    malformed: int = 0
-    oversized: int = 0
+    invalid: int = 0
+    channels: int = 0
+    fallbacks: int = 0
+    listeners: int = 0
+    resumes: int = 0
     fds_closed: int = 0
     errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-class RequestError(SmcError):
-    """A request we refuse; ``code`` is the reply's ``error`` field."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def error_reply(code: str, message: str) -> bytes:
-    return json.dumps(
-        {"version": PROTOCOL_VERSION, "ok": False, "error": code, "message": message},
-        ensure_ascii=False,
-    ).encode()
-
-
-def decode_request(data: bytes) -> dict[str, Any]:
-    """Check the interim request envelope; raise :class:`RequestError` ("malformed")."""
-    if not data:
-        raise RequestError("malformed", "malformed: empty request")
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise RequestError(
-            "malformed", f"malformed: not UTF-8 ({e.reason} at byte {e.start})"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise RequestError(
-            "malformed", f"malformed: not JSON ({e.msg} at column {e.colno})"
-        ) from None
-    except RecursionError:
-        raise RequestError("malformed", "malformed: JSON nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise RequestError("malformed", "malformed: a request is a JSON object")
-    version = obj.get("version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise RequestError("malformed", 'malformed: "version" must be an integer')
-    if not isinstance(obj.get("op"), str):
-        raise RequestError("malformed", 'malformed: "op" must be a string')
-    return obj
 
 
 def peer_cred(sock: socket.socket) -> PeerCred | None:
@@ -148,7 +184,7 @@ def peer_cred(sock: socket.socket) -> PeerCred | None:
     return PeerCred(pid, uid, gid)
 
 
-def bind_seqpacket(path: Path, *, mode: int = 0o666, backlog: int = 128) -> socket.socket:
+def bind_seqpacket(path: Path, *, mode: int = 0o666, backlog: int = 512) -> socket.socket:
     """Bind and listen on ``path``. A stale socket file (nobody listening) is replaced; a live
     one, or a path that is not a socket, is an error rather than something to destroy."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -184,55 +220,240 @@ def bind_seqpacket(path: Path, *, mode: int = 0o666, backlog: int = 128) -> sock
     return sock
 
 
-def _close_fds(ancdata: list[tuple[int, int, bytes]]) -> int:
-    """Close every descriptor that arrived with a message; return how many."""
-    n = 0
-    for level, kind, data in ancdata:
-        if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
-            continue
-        fds = array.array("i")
-        fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-                n += 1
-    return n
-
-
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _reason_name(code: int) -> str:
+    """The FALLBACK ``name``: ``SMC_CLC_DECL_...`` or our local names, else the hex code."""
+    if code == m.FALLBACK_DAEMON_UNAVAILABLE:
+        return "DAEMON_UNAVAILABLE"
+    if code == m.FALLBACK_DAEMON_ERROR:
+        return "DAEMON_ERROR"
+    return explain(code).name or f"CODE_{code:08X}"
+
+
+def _clip(text: str, limit: int = m.MAX_TEXT) -> str:
+    raw = text.replace("\x00", "?").encode("utf-8", "replace")[:limit]
+    return raw.decode("utf-8", "ignore")
+
+
+def fallback_message(code: int, detail: str, peer_diagnosis: int | None = None) -> m.Fallback:
+    return m.Fallback(code, _reason_name(code), _clip(detail), peer_diagnosis)
+
+
+def _is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Is ``ip`` an address of this network namespace? (Binding to it succeeds only then.)"""
+    if ip.is_loopback:
+        return True
+    fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+# -- DMB views --------------------------------------------------------------------------------
+
+
+class _DmbView:
+    """A read-only mapping of a DMB's first page, to read its CDC header without tearing: each
+    cursor is one aligned 8-byte word, loaded with one 8-byte load (see ``smc_handoff._ring``)."""
+
+    def __init__(self, fd: int) -> None:
+        self._mm = mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._words = memoryview(self._mm).cast("Q")
+
+    def header(self) -> SmcdCdcHeader | None:
+        raw = b"".join(w.to_bytes(8, sys.byteorder) for w in self._words[:4])
+        if raw[0] != 0xFE:
+            return None  # nothing written yet
+        try:
+            return SmcdCdcHeader.decode(raw)
+        except SmcError:
+            return None
+
+    def close(self) -> None:
+        self._words.release()
+        self._mm.close()
+
+
+def _advance(ring: int, old: Cursor, new: Cursor) -> int:
+    """Bytes from ``old`` to ``new`` in a ring of ``ring`` bytes, any number of wraps apart (the
+    refresh runs often enough that the 16-bit wrap counter cannot lap)."""
+    delta = ((new.wrap - old.wrap) & 0xFFFF) * ring + new.count - old.count
+    return delta if 0 <= delta < 0x8000 * ring else 0
+
+
+# -- connection state -------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Pair:
+    """What the two halves of one SMC-D connection share: the eventfds and the peer link."""
+
+    key: tuple[Endpoint, Endpoint]  # (client local, client peer)
+    tokens: tuple[int, int]  # (client DMB token, server DMB token)
+    ev: dict[ConnRole, int]  # the eventfd each half sleeps on
+    link: dict[ConnRole, int]  # each half's end of the peer link
+    mem: dict[int, int]  # DMB token → the memfd handed out (pool fd, or a glue memfd)
+    own_mem: list[int]  # glue memfds this pair created (closed with it)
+    taken: set[ConnRole] = field(default_factory=set)
+    released: set[ConnRole] = field(default_factory=set)
+    pending: list[tuple[str, int]] = field(default_factory=list)
+    """DMB releases ("unregister"/"detach", token) of halves that let go before the pair was
+    complete: a client may close before the server half has even attached its DMB."""
+    timer: asyncio.TimerHandle | None = None
+
+    def close_shared(self) -> None:
+        """Close the daemon's copies of the eventfds and any peer-link end not handed out."""
+        for fd in [*self.ev.values(), *self.link.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.ev.clear()
+        self.link.clear()
+
+    def close_all(self) -> None:
+        self.close_shared()
+        for fd in self.own_mem:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.own_mem.clear()
+
+
+@dataclass(eq=False)
+class _Half:
+    """One application's half of an SMC-D connection, as the daemon tracks it."""
+
+    conn_id: int
+    role: ConnRole
+    uid: int
+    local_token: int | None
+    peer_token: int | None
+    rx_size: int
+    tx_size: int
+    pair: _Pair | None = None
+    rx_view: _DmbView | None = None
+    tx_view: _DmbView | None = None
+    rx_cons: Cursor = field(default_factory=Cursor)
+    tx_prod: Cursor = field(default_factory=Cursor)
+    closed: bool = False
+
+    def close_views(self) -> None:
+        for view in (self.rx_view, self.tx_view):
+            if view is not None:
+                with contextlib.suppress(Exception):
+                    view.close()
+        self.rx_view = self.tx_view = None
+
+
+@dataclass(eq=False)
+class _Listener:
+    ident: int
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address
+    port: int
+    uid: int
+    conn_id: int
 
 
 @dataclass(eq=False)
 class _Client:
     sock: socket.socket
     cred: PeerCred | None
+    label: str
     task: asyncio.Task[None] | None = None
-    label: str = field(default="")
+    half: _Half | None = None
+    listener: _Listener | None = None
+
+    @property
+    def uid(self) -> int:
+        return self.cred.uid if self.cred is not None else 65534
+
+
+class _Refused(Exception):
+    """End this client's connection after replying ``reply``."""
+
+    def __init__(self, reply: m.Error) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+# -- the server -------------------------------------------------------------------------------
 
 
 class HandoffServer:
-    """Serves the handoff socket on the running loop.
+    """Serves the handoff socket on the running loop (see the module docstring).
 
     ``sock`` is a listening SOCK_SEQPACKET socket; ``owns_path`` says whether we bound it (then
     :meth:`stop` removes the file) or inherited it from systemd (then the socket unit owns the
-    file and it stays).
+    file and it stays). ``config`` is a :class:`smcd_daemon.config.Config` (defaults when None);
+    :meth:`configure` applies a reloaded one to new connections. ``loopback_gid`` is the 128-bit
+    GID of the loopback-ism device the inventory shows (random when None).
     """
 
-    def __init__(self, sock: socket.socket, *, owns_path: bool) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        owns_path: bool,
+        config: Any = None,
+        registry: Registry | None = None,
+        eids: EidTable | None = None,
+        loopback_gid: int | None = None,
+    ) -> None:
+        if config is None:
+            from smcd_daemon.config import Config
+
+            config = Config.model_validate({})
         self._sock = sock
         self.owns_path = owns_path
         name = sock.getsockname()
         self.path = Path(os.fsdecode(name)) if name else None
+        self._inode = 0
+        if owns_path and self.path is not None:
+            with contextlib.suppress(OSError):
+                self._inode = os.lstat(self.path).st_ino
         self.stats = HandoffStats()
+        self.cfg = config
+        self.registry = registry if registry is not None else Registry()
+        self.eids = eids if eids is not None else EidTable()
+        self.pool = DmbPool.from_config(config)
+        self.loopback = LoopbackIsm(
+            self.pool,
+            gid128=loopback_gid,
+            link_groups=LinkGroupTable(id_source=self.registry.allocate_lgr_id),
+        )
+        self.hostname = socket.gethostname()
         self._clients: set[_Client] = set()
+        self._pairs: dict[tuple[Endpoint, Endpoint], _Pair] = {}
+        self._halves: dict[int, _Half] = {}
+        self._listeners: dict[int, _Listener] = {}
+        self._next_listener = 1
+        self._fallbacks: OrderedDict[int, float] = OrderedDict()
+        self._lgr_timers: dict[int, asyncio.TimerHandle] = {}
+        self._inflight = 0
+        self._unpublished: dict[int, Connection] = {}
+        self._publish_timer: asyncio.TimerHandle | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
 
     @classmethod
-    def bind(cls, path: Path) -> HandoffServer:
-        return cls(bind_seqpacket(path), owns_path=True)
+    def bind(cls, path: Path, **kw: Any) -> HandoffServer:
+        return cls(bind_seqpacket(path), owns_path=True, **kw)
+
+    def configure(self, config: Any) -> None:
+        """A reloaded configuration: quotas, timeouts, modes and peers apply to new handshakes."""
+        self.cfg = config
+        self.pool.user_max_bytes = config.quota.buffer_bytes
+        self.pool.user_max_buffers = config.quota.connections
+        self.pool.pool_max_bytes = config.buffers.pool_max_bytes
+        self.pool.pool_max_buffers = config.buffers.pool_max_buffers
+
+    # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -246,6 +467,8 @@ class HandoffServer:
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
+        if self._refresher is not None:
+            self._refresher.cancel()
         for client in list(self._clients):
             if client.task is not None:
                 client.task.cancel()
@@ -253,12 +476,23 @@ class HandoffServer:
             if client.task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await client.task
+        for pair in list(self._pairs.values()):
+            pair.close_all()
+        self._pairs.clear()
+        for timer in self._lgr_timers.values():
+            timer.cancel()
+        if self._publish_timer is not None:
+            self._publish_timer.cancel()
+        self.pool.close()
         if self.owns_path and self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            # Only our own file: a daemon started meanwhile may have replaced a path it found
+            # stale (e.g. after we were stopped and it started before we finished).
+            with contextlib.suppress(OSError):
+                if os.lstat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
         self._sock.close()
 
-    # -- accepting -------------------------------------------------------------------------
+    # -- accepting --------------------------------------------------------------------------------
 
     def _on_accept(self) -> None:
         for _ in range(64):  # drain a burst, then let the loop breathe
@@ -283,52 +517,83 @@ class HandoffServer:
         conn.setblocking(False)
         cred = peer_cred(conn)
         client = _Client(conn, cred, label=str(cred) if cred else "unknown peer")
-        log.info("handoff: connection from %s", client.label)
+        log.debug("handoff: connection from %s", client.label)
         self._clients.add(client)
         assert self._loop is not None
         client.task = self._loop.create_task(self._client_loop(client), name="smcd-handoff")
 
-    # -- one client ------------------------------------------------------------------------
+    # -- one client ---------------------------------------------------------------------------
 
-    async def _recvmsg(self, sock: socket.socket) -> tuple[bytes, list[Any], int]:
+    async def _readable(self, sock: socket.socket) -> None:
         assert self._loop is not None
-        ancsize = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._loop.add_reader(sock.fileno(), _wake, fut)
+        try:
+            await fut
+        finally:
+            self._loop.remove_reader(sock.fileno())
+
+    async def _receive(self, client: _Client) -> tuple[m.Request, list[int]] | None:
+        """The next valid request and its descriptors; None at EOF. An invalid datagram raises
+        :class:`_Refused` (its descriptors are already closed)."""
         while True:
             try:
-                return sock.recvmsg(MAX_REQUEST + 1, ancsize, socket.MSG_CMSG_CLOEXEC)[:3]
+                msg, fds = m.recv_message(client.sock, requests=True)
             except (BlockingIOError, InterruptedError):
-                pass
-            fut: asyncio.Future[None] = self._loop.create_future()
-            self._loop.add_reader(sock.fileno(), _wake, fut)
-            try:
-                await fut
-            finally:
-                self._loop.remove_reader(sock.fileno())
+                await self._readable(client.sock)
+                continue
+            except m.HandoffClosedError:
+                return None
+            except m.HandoffProtocolError as e:
+                self.stats.invalid += 1
+                log.warning("handoff: invalid request from %s: %s", client.label, e)
+                raise _Refused(m.Error(e.code, _clip(str(e)))) from None
+            except OSError as e:
+                log.info("handoff: %s: connection failed: %s", client.label, e)
+                return None
+            self.stats.requests += 1
+            return msg, fds  # type: ignore[return-value]
+
+    def _send(self, client: _Client, reply: m.Reply, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        try:
+            m.send_message(client.sock, reply, list(fds))
+        except (BlockingIOError, InterruptedError):
+            self.stats.errors += 1
+            log.warning("handoff: %s does not read its replies; closing", client.label)
+            return False
+        except OSError as e:
+            log.info("handoff: %s went away before the reply: %s", client.label, e)
+            return False
+        return True
 
     async def _client_loop(self, client: _Client) -> None:
         try:
-            while True:
-                try:
-                    data, ancdata, flags = await self._recvmsg(client.sock)
-                except OSError as e:
-                    if e.errno not in (errno.ECONNRESET, errno.EPIPE):
-                        self.stats.errors += 1
-                        log.warning("handoff: receiving from %s failed: %s", client.label, e)
+            first = await self._receive(client)
+            if first is None:
+                return
+            msg, fds = first
+            if isinstance(msg, m.Connect | m.Accept):
+                keep = await self._handoff(client, msg, fds[0])
+            elif isinstance(msg, m.Listen):
+                keep = self._listen(client, fds[0])
+            elif isinstance(msg, m.Resume):
+                keep = self._resume(client, msg, fds)
+            else:
+                raise _Refused(
+                    m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} cannot open a connection")
+                )
+            while keep:
+                nxt = await self._receive(client)
+                if nxt is None:
                     return
-                if not data and not ancdata:
-                    # End of file. An empty datagram reads the same (recvmsg returns 0 bytes on
-                    # SOCK_SEQPACKET either way), so it, too, ends the connection.
-                    return
-                reply = self.handle(data, ancdata, flags, client.label)
-                try:
-                    client.sock.send(reply)
-                except (BlockingIOError, InterruptedError):
-                    self.stats.errors += 1
-                    log.warning("handoff: %s does not read its replies; closing", client.label)
-                    return
-                except OSError as e:
-                    log.info("handoff: %s went away before the reply: %s", client.label, e)
-                    return
+                msg, fds = nxt
+                m.close_fds(fds)
+                if client.half is not None and isinstance(msg, m.Shutdown | m.Close):
+                    self._notice(client.half, msg)
+                    continue
+                raise _Refused(m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now"))
+        except _Refused as e:
+            self._send(client, e.reply)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -336,29 +601,667 @@ class HandoffServer:
             log.exception("handoff: unexpected error serving %s; connection closed", client.label)
         finally:
             self._clients.discard(client)
+            self._hang_up(client)
             client.sock.close()
 
-    def handle(self, data: bytes, ancdata: list[Any], flags: int, who: str) -> bytes:
-        """One request in, one reply out (pure apart from closing received descriptors)."""
-        self.stats.requests += 1
-        closed = _close_fds(ancdata)
-        self.stats.fds_closed += closed
-        if flags & socket.MSG_TRUNC or len(data) > MAX_REQUEST:
-            self.stats.oversized += 1
-            log.warning(
-                "handoff: oversized request from %s (more than %d bytes); refused", who,
-                MAX_REQUEST,
-            )  # fmt: skip
-            return error_reply("oversized", f"oversized: a request is at most {MAX_REQUEST} bytes")
+    # -- CONNECT / ACCEPT ---------------------------------------------------------------------
+
+    def _facts(self, dmb_hint: int, *, peer_speaks_smc: bool = True) -> NegotiationFacts:
+        cfg = self.cfg
+        facts = NegotiationFacts.from_config(
+            cfg,
+            self.eids,
+            self.loopback.ism_device() if cfg.modes.smcd_loopback else None,
+            hostname=self.hostname,
+            peer_speaks_smc=peer_speaks_smc,
+        )
+        if dmb_hint:
+            size = min(max(dmb_hint, cfg.buffers.min_dmb_size), cfg.buffers.max_dmb_size)
+            facts = dataclasses.replace(facts, dmb_size=size)
+        return facts
+
+    def _peer_speaks_smc(self, peer: Endpoint) -> str | None:
+        """Why we may try SMC toward ``peer`` (None: we may not)."""
+        ip, port, _ = peer
+        for lst in self._listeners.values():
+            if lst.port != port:
+                continue
+            if lst.ip == ip:
+                return f"registered listener {lst.ident}"
+            if lst.ip.is_unspecified and _is_local_address(ip):
+                return f"registered listener {lst.ident} (wildcard)"
+        for net in self.cfg.peers:
+            if ip.version == net.version and ip in net:
+                return f"configured peer network {net}"
+        return None
+
+    def _session_limit(self, uid: int) -> int:
+        """Handoff connections a uid may hold (0 = no limit): two per allowed DMB (both halves of
+        a same-user connection) plus a few listeners and handshakes in flight."""
+        quota = self.cfg.quota.connections
+        return 2 * quota + 64 if quota else 0
+
+    def _new_connection(self, client: _Client, role: ConnRole, tcp: BorrowedTcp) -> Connection:
+        """The registry record of a handoff (added once its outcome is known: one event)."""
+        local, peer = endpoint(tcp.local), endpoint(tcp.peer)
+        cred = client.cred
+        conn = Connection(
+            conn_id=self.registry.allocate_conn_id(),
+            role=role,
+            mode=ConnMode.TCP,
+            state=ConnState.INIT,
+            local_addr=str(local[0]),
+            local_port=local[1],
+            peer_addr=str(peer[0]),
+            peer_port=peer[1],
+            netdev="lo" if peer[0].is_loopback else "",
+            uid=cred.uid if cred else 0,
+            pid=cred.pid if cred else 0,
+            inode=tcp.inode,
+        )
+        return conn
+
+    async def _handoff(self, client: _Client, req: m.Connect | m.Accept, fd: int) -> bool:
+        """Run one handoff to its reply; True if the connection now holds a channel half."""
+        role = ConnRole.CLIENT if isinstance(req, m.Connect) else ConnRole.SERVER
         try:
-            request = decode_request(data)
-        except RequestError as e:
-            self.stats.malformed += 1
-            log.warning("handoff: %s from %s (%d bytes)", e, who, len(data))
-            return error_reply(e.code, str(e))
-        self.stats.unsupported += 1
+            tcp = BorrowedTcp(fd)
+        except BorrowedTcpError as e:
+            self.stats.invalid += 1
+            log.warning("handoff: %s from %s: %s", req.TYPE.name, client.label, e)
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(str(e)))) from None
+        try:
+            conn = self._new_connection(client, role, tcp)
+        except PairingError as e:
+            tcp.close()
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(str(e)))) from None
+        self._inflight += 1
+        try:
+            if role is ConnRole.CLIENT:
+                outcome = await self._run_client(client, req.dmb_size, tcp)
+            else:
+                outcome = await self._run_server(client, req.dmb_size, tcp)
+        except BaseException:
+            tcp.close()
+            raise
+        finally:
+            self._inflight -= 1
+        key = (endpoint(tcp.local), endpoint(tcp.peer))
+        if role is ConnRole.SERVER:
+            key = (key[1], key[0])
+        tcp.close()  # every copy of the borrowed descriptor is gone before we reply
+        if isinstance(outcome, FallbackOutcome):
+            self._drop_pair(key, "the other half fell back")
+            return self._reply_fallback(client, conn, outcome)
+        return self._reply_channel(client, conn, role, key, outcome)
+
+    async def _run_client(
+        self, client: _Client, hint: int, tcp: BorrowedTcp
+    ) -> SmcdLoopbackOutcome | FallbackOutcome:
+        peer = endpoint(tcp.peer)
+        why = self._peer_speaks_smc(peer)
+        limit = self._session_limit(client.uid)
+        held = sum(1 for c in self._clients if c.uid == client.uid)
+        if why is not None and limit and held > limit:
+            return FallbackOutcome(
+                int(DeclineReason.MAX_DMB),
+                None,
+                True,
+                f"uid {client.uid} holds {held - 1} handoff connections; quota.connections "
+                f"allows {limit}",
+            )
+        session = self.loopback.session(client.uid, tcp.local, tcp.peer, server=False)
+        facts = self._facts(hint, peer_speaks_smc=why is not None)
+        if why is not None:
+            log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
+            try:
+                self.loopback.pairing.register_client(tcp.local, tcp.peer)
+            except PairingError as e:
+                log.warning("handoff: %s; offering no device", e)
+                facts = dataclasses.replace(facts, loopback=None)
+        negotiation = ClientNegotiation(facts, session)
+        try:
+            return await drive(negotiation, tcp, negotiation.start())
+        finally:
+            with contextlib.suppress(PairingError):
+                self.loopback.pairing.withdraw(tcp.local, tcp.peer)
+
+    async def _run_server(
+        self, client: _Client, hint: int, tcp: BorrowedTcp
+    ) -> SmcdLoopbackOutcome | FallbackOutcome:
+        wait = self.cfg.timeouts.proposal_wait
+        seen = await peek_proposal(tcp, wait)
+        if seen.kind != "smc":
+            detail = {
+                "not-smc": "the client's first bytes are not a CLC Proposal: a plain TCP client",
+                "silent": f"no CLC Proposal within {wait:g} s (timeouts.proposal_wait): a plain "
+                "TCP client, or one that waits for the server to speak first",
+                "eof": "the client closed the connection without proposing SMC",
+            }[seen.kind]
+            return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
+        session = self.loopback.session(client.uid, tcp.local, tcp.peer, server=True)
+        return await drive(ServerNegotiation(self._facts(hint), session), tcp)
+
+    def _reply_fallback(self, client: _Client, conn: Connection, outcome: FallbackOutcome) -> bool:
+        self.stats.fallbacks += 1
+        conn = dataclasses.replace(
+            conn,
+            mode=ConnMode.TCP,
+            state=ConnState.ACTIVE,
+            fallback_reason=outcome.reason,
+            peer_diagnosis=outcome.peer_diagnosis or 0,
+        )
+        self._add(conn)  # counts the fallback in the stats once published
+        self._linger(conn.conn_id)
+        code = outcome.reason
         log.info(
-            "handoff: request %r (version %d) from %s: not supported yet",
-            request["op"][:64], request["version"], who,
+            "handoff: %s stays on TCP: %s (0x%08x%s): %s",
+            client.label,
+            _reason_name(code),
+            code,
+            "" if outcome.peer_diagnosis is None else f", peer 0x{outcome.peer_diagnosis:08x}",
+            outcome.detail,
+        )
+        self._send(client, fallback_message(code, outcome.detail, outcome.peer_diagnosis))
+        return False
+
+    def _linger(self, conn_id: int) -> None:
+        """Keep a fallen-back connection visible for a while, bounded in number."""
+        self._fallbacks[conn_id] = time.monotonic() + FALLBACK_LINGER
+        while len(self._fallbacks) > FALLBACK_KEEP:
+            old, _ = self._fallbacks.popitem(last=False)
+            self._remove(old)
+        assert self._loop is not None
+        self._loop.call_later(FALLBACK_LINGER, self._expire_fallbacks)
+
+    def _expire_fallbacks(self) -> None:
+        now = time.monotonic()
+        while self._fallbacks:
+            conn_id, until = next(iter(self._fallbacks.items()))
+            if until > now:
+                return
+            del self._fallbacks[conn_id]
+            self._remove(conn_id)
+
+    # -- CHANNEL ------------------------------------------------------------------------------
+
+    def _memfd(self, token: int, size: int, own: list[int]) -> int:
+        """The memfd that backs DMB ``token`` for the channel: the pool's own when it has room
+        for the channel's control trailer, else a glue memfd of the right size (the pool seals
+        its memfds at the DMB size; the channel maps DMB + trailer)."""
+        dmb = self.pool.get(token)
+        if os.fstat(dmb.fd).st_size >= size + CTRL_TRAILER:
+            return dmb.fd
+        fd = os.memfd_create(f"smcd-dmb-{size >> 10}k", os.MFD_CLOEXEC)
+        own.append(fd)
+        os.ftruncate(fd, size + CTRL_TRAILER)
+        return fd
+
+    def _make_pair(
+        self, key: tuple[Endpoint, Endpoint], tokens: tuple[int, int], sizes: tuple[int, int]
+    ) -> _Pair:
+        own: list[int] = []
+        fds: list[int] = []
+        try:
+            mem = {t: self._memfd(t, size, own) for t, size in zip(tokens, sizes, strict=True)}
+            flags = os.EFD_CLOEXEC | os.EFD_NONBLOCK
+            ev_c = os.eventfd(0, flags)
+            fds.append(ev_c)
+            ev_s = os.eventfd(0, flags)
+            fds.append(ev_s)
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            link_c, link_s = a.detach(), b.detach()
+        except BaseException:
+            m.close_fds(own + fds)
+            raise
+        pair = _Pair(
+            key=key,
+            tokens=tokens,
+            ev={ConnRole.CLIENT: ev_c, ConnRole.SERVER: ev_s},
+            link={ConnRole.CLIENT: link_c, ConnRole.SERVER: link_s},
+            mem=mem,
+            own_mem=own,
+        )
+        assert self._loop is not None
+        wait = self.cfg.timeouts.clc_wait * 2 + 1.0
+        pair.timer = self._loop.call_later(
+            wait, self._drop_pair, key, "the other half never arrived"
+        )
+        self._pairs[key] = pair
+        return pair
+
+    def _drop_pair(self, key: tuple[Endpoint, Endpoint], why: str) -> None:
+        """Forget a pair whose second half will not come: close what was not handed out (the
+        first half then sees its peer link hang up: an abort, never a hang)."""
+        pair = self._pairs.get(key)
+        if pair is None or len(pair.taken) == 2:
+            return
+        log.info("handoff: pairing %s dropped: %s", key, why)
+        del self._pairs[key]
+        pair.close_shared()
+        self._pair_done(pair)
+
+    def _pair_done(self, pair: _Pair) -> None:
+        """Close a pair for good once nobody can use it any more: no half is still to come
+        (both took theirs, or it was dropped) and every half that took one has let go."""
+        current = self._pairs.get(pair.key) is pair
+        if (len(pair.taken) == 2 or not current) and pair.released >= pair.taken:
+            if current:
+                del self._pairs[pair.key]
+            if pair.timer is not None:
+                pair.timer.cancel()
+            pair.close_all()
+            ops, pair.pending = pair.pending, []
+            self._release_dmbs(ops)
+
+    def _reply_channel(
+        self,
+        client: _Client,
+        conn: Connection,
+        role: ConnRole,
+        key: tuple[Endpoint, Endpoint],
+        out: SmcdLoopbackOutcome,
+    ) -> bool:
+        conn_id = conn.conn_id
+        tokens = (
+            (out.local_token, out.peer_token)
+            if role is ConnRole.CLIENT
+            else (out.peer_token, out.local_token)
+        )
+        sizes = (
+            (out.local_dmb_size, out.peer_dmb_size)
+            if role is ConnRole.CLIENT
+            else (out.peer_dmb_size, out.local_dmb_size)
+        )
+        half = _Half(
+            conn_id, role, client.uid, out.local_token, out.peer_token,
+            out.local_dmb_size, out.peer_dmb_size,
         )  # fmt: skip
-        return error_reply("unsupported", UNSUPPORTED_MESSAGE)
+        pair = self._pairs.get(key)
+        if pair is not None and len(pair.taken) == 2:
+            del self._pairs[key]  # an earlier connection on this 4-tuple, still draining
+            pair = None
+        try:
+            if pair is not None and (pair.tokens != tokens or role in pair.taken):
+                raise SmcError(f"pairing {key} does not match the tokens of this half")
+            if pair is None:
+                pair = self._make_pair(key, tokens, sizes)
+            half.pair = pair
+            rx_fd, tx_fd = pair.mem[out.local_token], pair.mem[out.peer_token]
+            half.rx_view, half.tx_view = _DmbView(rx_fd), _DmbView(tx_fd)
+            other = ConnRole.SERVER if role is ConnRole.CLIENT else ConnRole.CLIENT
+            fds = [rx_fd, tx_fd, pair.ev[role], pair.ev[other], pair.link[role]]
+        except (SmcError, OSError, KeyError) as e:
+            self.stats.errors += 1
+            log.error("handoff: %s: cannot build the channel: %s", client.label, e)
+            self._release_half(half)
+            self._drop_pair(key, str(e))
+            outcome = FallbackOutcome(int(DeclineReason.INTERR), None, True, f"daemon: {e}")
+            return self._reply_fallback(client, conn, outcome)
+        client.half = half
+        self._halves[conn_id] = half
+        self._count_channel(half, conn, out)
+        reply = m.Channel(conn_id, m.Mode.SMCD, half.rx_size, half.tx_size)
+        sent = self._send(client, reply, fds)
+        # The half has its end of the peer link (or lost it): ours goes now.
+        pair.taken.add(role)
+        with contextlib.suppress(OSError):
+            os.close(pair.link.pop(role))
+        if len(pair.taken) == 2:
+            if pair.timer is not None:
+                pair.timer.cancel()
+            pair.close_shared()
+        self._start_refresh()
+        if not sent:
+            return False  # the finally of the client loop releases the half
+        self.stats.channels += 1
+        log.debug(
+            "handoff: %s: SMC-D connection %d (%s, lgr %#x, rx %d, tx %d)",
+            client.label, conn_id, role.value.lower(), out.link_id, half.rx_size, half.tx_size,
+        )  # fmt: skip
+        return True
+
+    def _count_channel(self, half: _Half, conn: Connection, out: SmcdLoopbackOutcome) -> None:
+        reg = self.registry
+        lgr_id = out.link_id
+        timer = self._lgr_timers.pop(lgr_id, None)
+        if timer is not None:
+            timer.cancel()
+        gid = out.peer_gid.to_bytes(16, "big")
+        if reg.link_group(lgr_id) is None:
+            reg.add_link_group(
+                LinkGroup(
+                    lgr_id=lgr_id,
+                    # the server half created it (first contact) unless the roles say otherwise
+                    role=LgrRole.SERV
+                    if (half.role is ConnRole.SERVER) == out.first_contact
+                    else LgrRole.CLNT,
+                    smc_type=SmcType.SMCD,
+                    local_gid=self.loopback.gid128.to_bytes(16, "big"),
+                    peer_gid=gid,
+                    chid=out.chid,
+                    netdev="lo",
+                    smc_version=out.version,
+                    smc_release=out.release,
+                    peer_os=3,  # Linux
+                    peer_hostname=self.hostname[:32],
+                    negotiated_eid=out.negotiated_eid,
+                )
+            )
+        conn = dataclasses.replace(
+            conn,
+            mode=ConnMode.SMCD,
+            state=ConnState.ACTIVE,
+            lgr_id=lgr_id,
+            token=half.conn_id & 0xFFFFFFFF,
+            sndbuf_size=out.peer_dmb_size,
+            rmbe_size=out.local_dmb_size,
+            peer_rmbe_size=out.peer_dmb_size,
+        )
+        self._add(conn)
+        reg.stats.count_connection(SmcType.SMCD, half.role, out.version)
+
+    # -- notices and release ------------------------------------------------------------------
+
+    def _notice(self, half: _Half, msg: m.Shutdown | m.Close) -> None:
+        conn = self._connection(half.conn_id)
+        if conn is None:
+            return
+        if isinstance(msg, m.Shutdown):
+            if msg.how in (socket.SHUT_WR, socket.SHUT_RDWR) and conn.state is ConnState.ACTIVE:
+                self._update(half.conn_id, state=ConnState.PEERCLOSEWAIT1)
+            return
+        # CLOSE: the hang-up follows at once and removes the record; only the counters matter.
+        self._refresh_half(half, publish=False)
+        half.closed = True
+
+    def _hang_up(self, client: _Client) -> None:
+        """The client's connection is gone: release what it held."""
+        if client.listener is not None:
+            lst, client.listener = client.listener, None
+            self._listeners.pop(lst.ident, None)
+            self._remove(lst.conn_id)
+            log.info("handoff: listener %d on port %d unregistered", lst.ident, lst.port)
+        if client.half is not None:
+            half, client.half = client.half, None
+            self._halves.pop(half.conn_id, None)
+            if not half.closed:
+                self._refresh_half(half, publish=False)
+            conn = self._remove(half.conn_id)
+            self._release_half(half)
+            if conn is not None and conn.lgr_id is not None:
+                self._maybe_free_lgr(conn.lgr_id)
+
+    def _release_half(self, half: _Half) -> None:
+        """Let go of this half's DMB and its reference on the peer's; the pool takes a buffer
+        back once both halves have let go."""
+        half.close_views()
+        ops = []
+        if half.local_token is not None:
+            ops.append(("unregister", half.local_token))
+        if half.peer_token is not None:
+            ops.append(("detach", half.peer_token))
+        half.local_token = half.peer_token = None
+        pair = half.pair
+        if pair is None:
+            self._release_dmbs(ops)
+            return
+        half.pair = None
+        pair.pending.extend(ops)
+        pair.released.add(half.role)
+        self._pair_done(pair)
+
+    def _release_dmbs(self, ops: list[tuple[str, int]]) -> None:
+        for op, token in ops:
+            with contextlib.suppress(UnknownTokenError):
+                if op == "unregister":
+                    self.pool.unregister(token)
+                else:
+                    self.pool.detach(token)
+
+    # -- registry, batched ----------------------------------------------------------------------
+
+    def _add(self, conn: Connection) -> None:
+        """Add ``conn`` to the registry with the next batch (see :data:`PUBLISH_DELAY`)."""
+        self._unpublished[conn.conn_id] = conn
+        if self._publish_timer is None and self._loop is not None:
+            self._publish_timer = self._loop.call_later(PUBLISH_DELAY, self.publish)
+
+    def publish(self) -> None:
+        """Add every pending connection to the registry now."""
+        if self._publish_timer is not None:
+            self._publish_timer.cancel()
+            self._publish_timer = None
+        pending, self._unpublished = self._unpublished, {}
+        for conn in pending.values():
+            if conn.lgr_id is not None and self.registry.link_group(conn.lgr_id) is None:
+                conn = dataclasses.replace(conn, lgr_id=None)
+            try:
+                self.registry.add_connection(conn)
+            except RegistryError as e:
+                log.warning("handoff: registry: %s", e)
+
+    def _connection(self, conn_id: int) -> Connection | None:
+        conn = self._unpublished.get(conn_id)
+        return conn if conn is not None else self.registry.connection(conn_id)
+
+    def _update(self, conn_id: int, **changes: Any) -> None:
+        conn = self._unpublished.get(conn_id)
+        if conn is not None:
+            self._unpublished[conn_id] = dataclasses.replace(conn, **changes)
+            return
+        with contextlib.suppress(RegistryError):
+            self.registry.update_connection(conn_id, **changes)
+
+    def _remove(self, conn_id: int) -> Connection | None:
+        """Take a connection out (published or not); a fallback never published still counts."""
+        conn = self._unpublished.pop(conn_id, None)
+        if conn is not None:
+            if conn.mode is ConnMode.TCP and conn.fallback_reason:
+                self.registry.stats.count_fallback(conn.fallback_reason, conn.role)
+            return conn
+        try:
+            return self.registry.remove_connection(conn_id)
+        except RegistryError:
+            return None
+
+    def _maybe_free_lgr(self, lgr_id: int) -> None:
+        lgr = self.registry.link_group(lgr_id)
+        if lgr is None or lgr.conns or lgr_id in self._lgr_timers or self._loop is None:
+            return
+        self._lgr_timers[lgr_id] = self._loop.call_later(LGR_FREE_DELAY, self._free_lgr, lgr_id)
+
+    def _free_lgr(self, lgr_id: int) -> None:
+        self._lgr_timers.pop(lgr_id, None)
+        lgr = self.registry.link_group(lgr_id)
+        waiting = any(c.lgr_id == lgr_id for c in self._unpublished.values())
+        if lgr is None or lgr.conns or self._inflight or waiting:
+            if lgr is not None and not lgr.conns:
+                self._maybe_free_lgr(lgr_id)  # a handshake may be about to use it: later
+            return
+        self.loopback.link_groups.discard(lgr_id)
+        self.registry.remove_link_group(lgr_id)
+        log.info("handoff: link group %#x freed", lgr_id)
+
+    # -- cursors and bytes --------------------------------------------------------------------
+
+    def _start_refresh(self) -> None:
+        if self._halves and (self._refresher is None or self._refresher.done()):
+            assert self._loop is not None
+            self._refresher = self._loop.create_task(self._refresh_loop(), name="smcd-cursors")
+
+    async def _refresh_loop(self) -> None:
+        """Read the CDC headers of live connections while there are any (no timer otherwise)."""
+        while self._halves:
+            await asyncio.sleep(REFRESH_INTERVAL)
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Bring cursors and byte counts of every live SMC connection up to date."""
+        for half in list(self._halves.values()):
+            try:
+                self._refresh_half(half)
+            except Exception:
+                log.exception("handoff: reading the cursors of connection %d failed", half.conn_id)
+
+    def _refresh_half(self, half: _Half, *, publish: bool = True) -> None:
+        """Read both CDC headers of ``half``: counters always, the record if ``publish``."""
+        if half.rx_view is None or half.tx_view is None:
+            return
+        conn = self._connection(half.conn_id)
+        if conn is None:
+            return
+        rx_hdr = half.rx_view.header()  # written by the peer: its producer and consumer cursor
+        tx_hdr = half.tx_view.header()  # written by this half into the peer's DMB
+        changes: dict[str, Any] = {}
+        if rx_hdr is not None:
+            changes["rx_prod"], changes["tx_cons"] = rx_hdr.prod, rx_hdr.cons
+            flags = rx_hdr.conn_state_flags
+            if flags & ConnStateFlag.PEER_CONN_ABORT and conn.state is not ConnState.PROCESSABORT:
+                changes["state"] = ConnState.PEERABORTWAIT
+            elif (
+                flags & (ConnStateFlag.PEER_CONN_CLOSED | ConnStateFlag.PEER_DONE_WRITING)
+                and conn.state is ConnState.ACTIVE
+            ):
+                changes["state"] = ConnState.APPCLOSEWAIT1
+        sent = received = 0
+        if tx_hdr is not None:
+            changes["tx_prod"], changes["rx_cons"] = tx_hdr.prod, tx_hdr.cons
+            sent = _advance(half.tx_size - 32, half.tx_prod, tx_hdr.prod)
+            received = _advance(half.rx_size - 32, half.rx_cons, tx_hdr.cons)
+            half.tx_prod, half.rx_cons = tx_hdr.prod, tx_hdr.cons
+        if sent:
+            changes["bytes_sent"] = conn.bytes_sent + sent
+        if received:
+            changes["bytes_received"] = conn.bytes_received + received
+        if sent or received:
+            self.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
+        if changes and publish:
+            self._update(half.conn_id, **changes)
+
+    # -- LISTEN -------------------------------------------------------------------------------
+
+    def _listen(self, client: _Client, fd: int) -> bool:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as e:
+            os.close(fd)
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, f"not a socket: {e.strerror or e}")) from None
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or (
+                sock.type != socket.SOCK_STREAM
+            ):
+                raise _Refused(m.Error(ErrorCode.BAD_FDS, "not a TCP socket"))
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                raise _Refused(m.Error(ErrorCode.BAD_FDS, "the socket is not listening"))
+            ip, port, _ = endpoint(sock.getsockname())
+            inode = os.fstat(sock.fileno()).st_ino
+        except (OSError, PairingError) as e:
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(f"bad listener: {e}"))) from None
+        finally:
+            sock.close()  # the daemon keeps no copy
+        limit = self._session_limit(client.uid)
+        held = sum(1 for c in self._clients if c.uid == client.uid)
+        if limit and held > limit:
+            reply = fallback_message(
+                int(DeclineReason.MAX_DMB),
+                f"uid {client.uid} holds {held - 1} handoff connections (quota.connections)",
+            )
+            self._send(client, reply)
+            return False
+        cred = client.cred
+        conn = self.registry.add_connection(
+            Connection(
+                conn_id=self.registry.allocate_conn_id(),
+                role=ConnRole.SERVER,
+                mode=ConnMode.SMCD,
+                state=ConnState.LISTEN,
+                local_addr="" if ip.is_unspecified else str(ip),
+                local_port=port,
+                uid=cred.uid if cred else 0,
+                pid=cred.pid if cred else 0,
+                inode=inode,
+            )
+        )
+        lst = _Listener(self._next_listener, ip, port, client.uid, conn.conn_id)
+        self._next_listener += 1
+        self._listeners[lst.ident] = lst
+        client.listener = lst
+        self.stats.listeners += 1
+        log.info("handoff: %s registered listener %d on %s port %d", client.label, lst.ident,
+                 ip, port)  # fmt: skip
+        return self._send(client, m.Ok(lst.ident))
+
+    # -- RESUME -------------------------------------------------------------------------------
+
+    def _resume(self, client: _Client, req: m.Resume, fds: list[int]) -> bool:
+        """Record a live channel again after a restart. The daemon gets no copy of its DMBs, so
+        it shows the byte counts the library reports, and no cursors; the two halves meet in
+        one link group of this daemon's loopback-ism device."""
+        try:
+            sock = socket.socket(fileno=fds[0])
+        except OSError as e:
+            m.close_fds(fds)
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, f"not a socket: {e.strerror or e}")) from None
+        try:
+            if sock.type != socket.SOCK_STREAM:
+                raise OSError("not a stream socket")
+            local, peer = endpoint(sock.getsockname()), endpoint(sock.getpeername())
+            inode = os.fstat(sock.fileno()).st_ino
+        except (OSError, PairingError) as e:
+            raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(f"RESUME: {e}"))) from None
+        finally:
+            sock.close()  # the daemon keeps no copy
+        role = ConnRole.CLIENT if req.role is m.Role.CLIENT else ConnRole.SERVER
+        gid = self.loopback.gid128
+        lgr_id = self.loopback.link_groups.find(gid)
+        if lgr_id is None:
+            lgr_id = self.loopback.link_groups.create(gid)
+        if self.registry.link_group(lgr_id) is None:
+            gid_bytes = gid.to_bytes(16, "big")
+            self.registry.add_link_group(
+                LinkGroup(
+                    lgr_id=lgr_id,
+                    role=LgrRole.SERV,
+                    smc_type=SmcType.SMCD,
+                    local_gid=gid_bytes,
+                    peer_gid=gid_bytes,
+                    chid=self.loopback.chid,
+                    netdev="lo",
+                    smc_version=2,
+                    peer_os=3,
+                    peer_hostname=self.hostname[:32],
+                )
+            )
+        timer = self._lgr_timers.pop(lgr_id, None)
+        if timer is not None:
+            timer.cancel()
+        cred = client.cred
+        conn_id = self.registry.allocate_conn_id()
+        self.registry.add_connection(
+            Connection(
+                conn_id=conn_id,
+                role=role,
+                mode=ConnMode.SMCD,
+                state=ConnState.ACTIVE,
+                local_addr=str(local[0]),
+                local_port=local[1],
+                peer_addr=str(peer[0]),
+                peer_port=peer[1],
+                netdev="lo" if peer[0].is_loopback else "",
+                uid=cred.uid if cred else 0,
+                pid=cred.pid if cred else 0,
+                inode=inode,
+                token=conn_id & 0xFFFFFFFF,
+                lgr_id=lgr_id,
+                sndbuf_size=req.tx_size,
+                rmbe_size=req.rx_size,
+                peer_rmbe_size=req.tx_size,
+                bytes_sent=req.bytes_sent,
+                bytes_received=req.bytes_received,
+            )
+        )
+        client.half = _Half(conn_id, role, client.uid, None, None, req.rx_size, req.tx_size)
+        self.stats.resumes += 1
+        log.info("handoff: %s resumed connection %d as %d", client.label, req.conn_id, conn_id)
+        return self._send(client, m.Ok(conn_id))

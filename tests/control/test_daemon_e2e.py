@@ -30,6 +30,7 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
+from smc_handoff import messages
 from tests.control.daemon_proc import (
     SMCD,
     NotifySocket,
@@ -262,9 +263,9 @@ def test_veth_down_reaches_dbus_within_a_second(env: Env, smcd: SmcdProcess) -> 
 # -- garbage on every input --------------------------------------------------------------------
 
 
-def _handoff_exchange(
-    path: Path, payload: bytes, fds: list[int] | None = None
-) -> dict[str, object]:
+def _handoff_exchange(path: Path, payload: bytes, fds: list[int] | None = None) -> messages.Error:
+    """Send one raw datagram on the handoff socket; the reply must be an ERROR (the protocol of
+    smc_handoff.messages), after which the daemon closes the connection."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(5)
         s.connect(os.fspath(path))
@@ -273,9 +274,14 @@ def _handoff_exchange(
             s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
         else:
             s.send(payload)
-        reply = json.loads(s.recv(65536))
-    assert isinstance(reply, dict)
+        reply = messages.decode_reply(s.recv(65536))
+        assert s.recv(100) == b"", "the daemon closes the connection after an ERROR"
+    assert isinstance(reply, messages.Error), reply
     return reply
+
+
+# A well-formed header of a protocol version the daemon does not speak (an empty CONNECT body).
+FUTURE_VERSION = messages.HEADER.pack(messages.MAGIC, 99, messages.MessageType.CONNECT, 0, 0)
 
 
 def _fd_count(pid: int) -> int:
@@ -285,20 +291,20 @@ def _fd_count(pid: int) -> int:
 def test_handoff_socket_survives_garbage(env: Env, smcd: SmcdProcess) -> None:
     assert (env.handoff.stat().st_mode & 0o777) == 0o666
     r = _handoff_exchange(env.handoff, b"\xff\xfe\x00garbage")
-    assert r["ok"] is False and r["error"] == "malformed"
+    assert r.code is messages.ErrorCode.MALFORMED
     r = _handoff_exchange(env.handoff, b"[1, 2, 3]")
-    assert r["error"] == "malformed"
-    r = _handoff_exchange(env.handoff, b"x" * 150_000)  # > MAX_REQUEST, < the socket buffer
-    assert r["error"] == "oversized"
-    r = _handoff_exchange(env.handoff, b'{"version": 1, "op": "connect"}')
-    assert r["error"] == "unsupported" and "handoff issue" in str(r["message"])
+    assert r.code is messages.ErrorCode.MALFORMED
+    r = _handoff_exchange(env.handoff, b"x" * 150_000)  # > MAX_MESSAGE, < the socket buffer
+    assert r.code is messages.ErrorCode.OVERSIZED
+    r = _handoff_exchange(env.handoff, FUTURE_VERSION)
+    assert r.code is messages.ErrorCode.UNSUPPORTED_VERSION and "99" in r.message
     # Descriptors sent along with a request are closed, not collected.
     pid = smcd.proc.pid
     before = _fd_count(pid)
     with open("/dev/null") as f:
         for _ in range(20):
             r = _handoff_exchange(env.handoff, b"{}", fds=[f.fileno(), f.fileno()])
-            assert r["error"] == "malformed"
+            assert r.code is messages.ErrorCode.MALFORMED
     assert _fd_count(pid) <= before + 1
     # Connections that vanish mid-way, several at once, and an empty datagram.
     for _ in range(50):
@@ -395,8 +401,8 @@ def test_socket_activation_and_restored_state(env: Env, smcd: SmcdProcess) -> No
             assert time.monotonic() < deadline, "systemd-socket-activate did not listen"
             time.sleep(0.05)
         # The first client connects before smcd exists; the daemon serves the queued request.
-        r = _handoff_exchange(env.handoff, b'{"version": 1, "op": "connect"}')
-        assert r["error"] == "unsupported"
+        r = _handoff_exchange(env.handoff, FUTURE_VERSION)
+        assert r.code is messages.ErrorCode.UNSUPPORTED_VERSION
         proc.wait_ready()
         assert "inherited (socket activation)" in proc.log()
         r2 = smcctl(["pnet", "show", "--json"], bus=env.address)

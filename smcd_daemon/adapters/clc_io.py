@@ -1,0 +1,269 @@
+"""asyncio driver of the sans-IO CLC negotiation over a borrowed TCP socket.
+
+The handoff server receives, with SCM_RIGHTS, its own copy of the application's connected TCP
+socket. That copy shares the *open file description* with the application's descriptor, so two
+rules follow:
+
+- **File status flags are shared.** Setting ``O_NONBLOCK`` on our copy would change the
+  application's socket under its feet. We never touch them: every ``recv``/``send`` carries
+  ``MSG_DONTWAIT`` (and ``MSG_NOSIGNAL``), and readiness comes from the event loop
+  (``add_reader``/``add_writer`` on our descriptor, removed before it is closed).
+- **Bytes are shared.** Anything we read is gone for the application. So we read exactly what
+  the negotiator asks for (:attr:`~smcd_daemon.protocol.negotiate.ClientNegotiation.bytes_needed`:
+  the 8-byte header, then the rest of that one message), and a server half first *peeks*
+  (``MSG_PEEK``) at the client's first bytes: a plain TCP client's bytes — or its silence, for a
+  client that waits for the server to speak first — are left exactly as they were.
+
+Every wait is bounded: the proposal peek by ``timeouts.proposal_wait``, each CLC message by the
+negotiator's :attr:`timeout` (``timeouts.clc_wait``), each write by the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from smcd_daemon.errors import SmcError
+from smcd_daemon.protocol.negotiate import (
+    ClientNegotiation,
+    Outcome,
+    ServerNegotiation,
+    Step,
+    classify_first_bytes,
+)
+
+__all__ = [
+    "BorrowedTcp",
+    "BorrowedTcpError",
+    "PeekResult",
+    "drive",
+    "peek_proposal",
+]
+
+log = logging.getLogger(__name__)
+
+_DONTWAIT = socket.MSG_DONTWAIT
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_EOF_ERRNOS = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT)
+
+
+class BorrowedTcpError(SmcError):
+    """The descriptor handed over is not a connected TCP socket (answered with ERROR BAD_FDS)."""
+
+
+class _Eof(Exception):
+    """The peer closed (or reset) the TCP connection."""
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class BorrowedTcp:
+    """Our copy of an application's connected TCP socket, for the duration of one handshake.
+
+    Owns ``fd`` (closed by :meth:`close`). Never changes the descriptor's file status flags.
+    """
+
+    def __init__(self, fd: int) -> None:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as e:
+            os.close(fd)
+            raise BorrowedTcpError(f"the descriptor is not a socket ({e.strerror or e})") from e
+        self.sock = sock
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                raise BorrowedTcpError(f"not an IP socket (family {sock.family!r})")
+            if sock.type != socket.SOCK_STREAM:
+                raise BorrowedTcpError(f"not a stream socket (type {sock.type!r})")
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                raise BorrowedTcpError("a listening socket, not a connected one")
+            self.local = sock.getsockname()
+            self.peer = sock.getpeername()
+            self.inode = os.fstat(sock.fileno()).st_ino
+        except OSError as e:
+            sock.close()
+            raise BorrowedTcpError(f"not a connected TCP socket ({e.strerror or e})") from e
+        except BorrowedTcpError:
+            sock.close()
+            raise
+        self.fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+
+    def close(self) -> None:
+        """Give our copy back (the application's descriptor stays open)."""
+        self.sock.close()
+
+    # -- readiness --------------------------------------------------------------------------
+
+    async def _wait(self, *, write: bool, timeout: float) -> bool:
+        """Wait until the socket is readable/writable; False on timeout."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        add, remove = (
+            (self._loop.add_writer, self._loop.remove_writer)
+            if write
+            else (self._loop.add_reader, self._loop.remove_reader)
+        )
+        add(self.fd, _wake, fut)
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await fut
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            remove(self.fd)
+
+    # -- I/O ----------------------------------------------------------------------------------
+
+    async def peek(self, n: int, timeout: float) -> bytes | None:
+        """Up to ``n`` bytes without consuming them, as soon as at least one arrived (b"" at
+        EOF); None when nothing arrived within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.sock.recv(n, socket.MSG_PEEK | _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                if e.errno in _EOF_ERRNOS:
+                    return b""
+                raise
+            if not await self._wait(write=False, timeout=deadline - time.monotonic()):
+                return None
+
+    async def read_exactly(self, n: int, timeout: float) -> bytes:
+        """Exactly ``n`` bytes (never more); :class:`TimeoutError` or :class:`_Eof`."""
+        deadline = time.monotonic() + timeout
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                chunk = self.sock.recv(n - len(buf), _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                if not await self._wait(write=False, timeout=deadline - time.monotonic()):
+                    raise TimeoutError from None
+                continue
+            except OSError as e:
+                if e.errno in _EOF_ERRNOS:
+                    raise _Eof from e
+                raise
+            if not chunk:
+                raise _Eof
+            buf += chunk
+        return bytes(buf)
+
+    async def write_all(self, data: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.sock.send(view, _SEND_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                if not await self._wait(write=True, timeout=deadline - time.monotonic()):
+                    raise TimeoutError from None
+                continue
+            except OSError as e:
+                if e.errno in _EOF_ERRNOS:
+                    raise _Eof from e
+                raise
+            view = view[sent:]
+
+
+@dataclass(frozen=True)
+class PeekResult:
+    """What the client sent first: ``"smc"`` (a CLC eyecatcher: go on with the handshake),
+    ``"not-smc"`` (other bytes), ``"silent"`` (nothing within the wait) or ``"eof"``."""
+
+    kind: Literal["smc", "not-smc", "silent", "eof"]
+    waited: float
+
+
+async def peek_proposal(tcp: BorrowedTcp, wait: float) -> PeekResult:
+    """Server half: look for a CLC eyecatcher in the client's first bytes without consuming any,
+    waiting at most ``wait`` seconds in all (a partial eyecatcher keeps waiting for the rest)."""
+    start = time.monotonic()
+    deadline = start + wait
+    while True:
+        left = deadline - time.monotonic()
+        head = await tcp.peek(4, max(left, 0.0))
+        waited = time.monotonic() - start
+        if head is None:
+            return PeekResult("silent", waited)
+        if not head:
+            return PeekResult("eof", waited)
+        verdict = classify_first_bytes(head)
+        if verdict != "need-more":
+            return PeekResult(verdict, waited)
+        if left <= 0:
+            return PeekResult("silent", waited)
+        # A partial eyecatcher: the rest is in flight. The fd stays readable while bytes sit in
+        # the receive queue, so sleep a little instead of spinning on readiness.
+        await asyncio.sleep(min(0.005, max(left, 0.0)))
+
+
+async def _send(tcp: BorrowedTcp, step: Step, timeout: float) -> bool:
+    """Send the step's messages; False if the peer is gone or does not read."""
+    data = step.data
+    if not data:
+        return True
+    try:
+        await tcp.write_all(data, timeout)
+    except (TimeoutError, _Eof, OSError) as e:
+        log.info("CLC: sending %d bytes to %s failed: %s", len(data), tcp.peer, e or "timeout")
+        return False
+    return True
+
+
+async def drive(
+    negotiation: ClientNegotiation | ServerNegotiation,
+    tcp: BorrowedTcp,
+    first: Step | None = None,
+) -> Outcome:
+    """Run ``negotiation`` over ``tcp`` to its outcome.
+
+    ``first`` is the step a client got from :meth:`ClientNegotiation.start` (a server starts by
+    waiting). Reads exactly what the negotiator asks for; a timeout, EOF or a failed write is
+    reported to it and ends in its fallback outcome (with a Decline sent where it says so, on a
+    best-effort basis). Cancelling the task aborts the negotiation (its resources are released).
+    """
+    step = first if first is not None else Step()
+    try:
+        while True:
+            if step.send:
+                timeout = negotiation.facts.clc_wait
+                if not await _send(tcp, step, timeout) and step.outcome is None:
+                    step = negotiation.on_eof()
+                    continue
+            if step.outcome is not None:
+                return step.outcome
+            need = negotiation.bytes_needed
+            if need <= 0:  # cannot happen with a correct negotiator; never loop forever
+                step = negotiation.abort("negotiator waits for nothing")
+                continue
+            try:
+                data = await tcp.read_exactly(need, negotiation.timeout or 0.0)
+            except TimeoutError:
+                step = negotiation.on_timeout()
+                continue
+            except _Eof:
+                step = negotiation.on_eof()
+                continue
+            except OSError as e:
+                log.info("CLC: reading from %s failed: %s", tcp.peer, e)
+                step = negotiation.on_eof()
+                continue
+            step = negotiation.receive_data(data)
+    except asyncio.CancelledError:
+        if not negotiation.done:
+            with contextlib.suppress(Exception):
+                negotiation.abort("the handoff was cancelled")
+        raise

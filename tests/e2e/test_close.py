@@ -1,0 +1,63 @@
+"""Every close path of a channel the daemon built (RFC 7609 §4 semantics, as a TCP socket shows
+them): both orders, half-close, close with unread data (the peer sees ECONNRESET) and SIGKILL of
+either side (the peer sees ECONNRESET within a second, through the peer link)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import Smcd, pair
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("first", ["client", "server"])
+def test_close_in_either_order(smcd: Smcd, apps: Any, first: str) -> None:
+    server, client, _ = pair(apps)
+    ends = {"client": client, "server": server}
+    closer, other = ends[first], ends["server" if first == "client" else "client"]
+    other.send("recv_all")
+    sent = closer.call("send", n=200_003, seed=11, chunk=3001)
+    assert closer.call("close") == {"ok": True}
+    got = other.reply()
+    assert got["eof"] and (got["n"], got["sha"]) == (sent["sent"], sent["sha"]), got
+    assert other.call("close") == {"ok": True}
+
+
+def test_half_close(smcd: Smcd, apps: Any) -> None:
+    """shutdown(SHUT_WR): the peer reads everything then EOF, and can still answer."""
+    server, client, _ = pair(apps)
+    server.send("recv_all")
+    sent = client.call("send", n=150_001, seed=5, chunk=1021)
+    assert client.call("shutdown") == {"ok": True}
+    got = server.reply()
+    assert got["eof"] and (got["n"], got["sha"]) == (sent["sent"], sent["sha"])
+    client.send("recv_all")
+    answer = server.call("send", n=70_001, seed=6, chunk=997)
+    assert server.call("close") == {"ok": True}
+    got = client.reply()
+    assert got["eof"] and (got["n"], got["sha"]) == (answer["sent"], answer["sha"])
+
+
+def test_close_with_unread_data_resets_the_peer(smcd: Smcd, apps: Any) -> None:
+    server, client, _ = pair(apps)
+    assert server.call("sendbytes", data="unread " * 100) == {"ok": True}
+    assert client.call("close") == {"ok": True}  # data still unread: an abort
+    got = server.call("recv_all")
+    assert got.get("error") == "ConnectionResetError", got
+    sent = server.call("sendbytes", data="more")
+    assert sent.get("error") in ("ConnectionResetError", "BrokenPipeError"), sent
+
+
+@pytest.mark.parametrize("victim", ["client", "server"])
+def test_sigkill_is_a_reset_within_a_second(smcd: Smcd, apps: Any, victim: str) -> None:
+    server, client, _ = pair(apps)
+    ends = {"client": client, "server": server}
+    killed, survivor = ends[victim], ends["server" if victim == "client" else "client"]
+    survivor.send("recv_all")
+    killed.kill()
+    got = survivor.reply(timeout=5)
+    assert got.get("error") == "ConnectionResetError", got
+    assert got["elapsed"] < 1.0, got

@@ -1,0 +1,74 @@
+"""smcd is out of the data path: SIGKILL it in the middle of a transfer and restart it. The
+established channels keep moving bytes without loss, a peer's death is still detected (the peer
+link, not the daemon, carries liveness), and the restarted daemon serves new handoffs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from smc_handoff import messages as m
+from tests.e2e.conftest import Smcd, pair
+
+pytestmark = pytest.mark.timeout(120)
+
+TOTAL = 24 * 1024 * 1024 + 13
+
+
+def test_daemon_sigkill_and_restart_mid_transfer(smcd: Smcd, apps: Any) -> None:
+    server, client, _ = pair(apps)
+    idle_server, idle_client, _ = pair(apps)  # established before the kill, idle throughout
+    server.send("recv_all")
+    client.send("send", n=TOTAL, seed=42, chunk=262_139, pace=0.01)  # ~1 s of paced writes
+    time.sleep(0.3)
+    pid = smcd.proc.proc.pid if smcd.proc else 0
+    smcd.kill()
+    assert not smcd.alive()
+    smcd.start()  # a new process, a new loopback GID, an empty registry
+    assert smcd.proc is not None and smcd.proc.proc.pid != pid
+    sent = client.reply(timeout=60)
+    assert sent["sent"] == TOTAL
+    assert client.call("shutdown") == {"ok": True}
+    got = server.reply(timeout=60)
+    assert got["eof"] and (got["n"], got["sha"]) == (TOTAL, sent["sha"]), got  # no byte lost
+    # Death is still detected on a channel the new daemon knows nothing about.
+    idle_server.send("recv_all")
+    idle_client.kill()
+    reset = idle_server.reply(timeout=5)
+    assert reset.get("error") == "ConnectionResetError" and reset["elapsed"] < 1.0, reset
+    # The restarted daemon serves new handoffs.
+    server2, client2, _ = pair(apps)
+    server2.send("recv_all")
+    sent2 = client2.call("send", n=100_003, seed=9, chunk=1009)
+    client2.call("close")
+    got2 = server2.reply()
+    assert (got2["n"], got2["sha"]) == (sent2["sent"], sent2["sha"])
+
+
+def test_resume_re_registers_a_live_channel(smcd: Smcd) -> None:
+    """RESUME (what the library sends after a daemon restart): the daemon records the connection
+    again from its TCP socket, with the byte counts the library reports, until the hang-up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    port = tcp.getsockname()[1]
+    resume = m.Resume(77, m.Role.CLIENT, m.Mode.SMCD, 16384, 32768, 1234, 5678)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ctl:
+        ctl.settimeout(5)
+        ctl.connect(os.fspath(smcd.handoff))
+        m.send_message(ctl, resume, [tcp.fileno()])
+        reply, _ = m.recv_message(ctl, requests=False)
+        assert isinstance(reply, m.Ok) and reply.ident > 0, reply
+        rows = smcd.wait_conns(lambda rs: any(r["LocalPort"] == port for r in rs))
+        (row,) = [r for r in rows if r["LocalPort"] == port]
+        assert (row["Id"], row["Mode"], row["Role"]) == (reply.ident, "SMCD", "CLIENT")
+        assert (row["RmbeSize"], row["PeerRmbeSize"]) == (16384, 32768)
+        assert (row["BytesSent"], row["BytesReceived"]) == (1234, 5678)
+        assert row["LinkGroup"] != "/"
+    smcd.wait_conns(lambda rs: not any(r["LocalPort"] == port for r in rs))
+    for s in (tcp, accepted, listener):
+        s.close()
