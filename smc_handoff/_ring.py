@@ -1,0 +1,195 @@
+"""Shared-memory layout of one SMC-D DMB as smcd maps it, and the few memory-ordering tools the
+channel needs (standard library only).
+
+A DMB is a memfd of ``size`` bytes (the SMC-D compressed sizes, 16 KiB << n, n = 0..6) followed
+by a small control trailer that is not part of the DMB proper::
+
+    0            32                                   size          size + CTRL_LEN
+    | CDC header | ring (size - 32 bytes of data)      | ctrl trailer |
+
+* **CDC header** (PROTOCOL.md §1.8, ``struct smcd_cdc_msg``, host byte order): written only by the
+  *peer* (the sender into this ring), read by the owner (the receiver). Same bytes as
+  ``smcd_daemon.wire.cdc.SmcdCdcHeader`` (a test checks it byte for byte).
+* **ctrl trailer** (smcd's own, outside the 32-byte header so the header stays the kernel's):
+  ``WAIT`` (u64 at +0) written only by the owner: ``generation << 8 | want bits``, saying "I am
+  about to sleep on my eventfd, kick me"; ``KICK`` (u64 at +64, its own cache line) written only
+  by the peer: the last generation it kicked. Each word therefore has exactly one writer.
+
+Why cursor reads cannot tear
+----------------------------
+The producer cursor (wrap u16 @8, count u32 @10, two unused flag bytes @14) fills exactly the
+aligned 8-byte word at offset 8; the consumer cursor plus both flag bytes (@16..23) fill exactly
+the aligned word at offset 16. smcd never writes these words piecewise: it computes the whole
+64-bit value and stores it through a ``memoryview`` cast to ``'Q'`` (CPython's ``pack_single``
+/``unpack_single`` copy a fixed ``sizeof(unsigned long long)`` with ``memcpy``, which compilers
+emit as one 8-byte ``mov``). An aligned 8-byte load or store is single-copy atomic on x86-64
+(Intel SDM vol. 3 §9.1.1), s390x and aarch64, so a reader sees either the old or the new word,
+never a mix. ``struct.pack_into`` must *not* be used on a live header: CPython zero-fills the
+target first (``s_pack_internal`` memsets it) and the ``=`` formats store byte by byte, so a
+concurrent reader could see a zero or half-written cursor. tests/handoff/test_channel_atomic.py
+hammers a word across processes with values whose halves differ to check this on the machine.
+
+Why the data is complete when the cursor says so
+------------------------------------------------
+The sender copies the bytes into the ring, then stores the cursor word; the receiver loads the
+cursor word, then copies the bytes out. x86-64 (and s390x) keep stores in program order and
+loads in program order (TSO), so a receiver that sees the new cursor sees the bytes before it; a
+sender that sees the receiver's new consumer cursor knows the receiver's loads of those bytes
+are done (loads are not reordered after later stores). glibc's non-temporal ``memcpy`` path for
+huge copies ends with ``sfence``. Weakly ordered CPUs (aarch64, ppc64le, riscv) would need
+barriers that pure Python cannot issue cheaply, so :data:`ORDERING_OK` is False there and the
+channel refuses to start (the caller falls back to TCP).
+
+The wakeup race (Dekker) and why it is bounded
+----------------------------------------------
+A sleeper does ``store WAIT; load cursor`` and a publisher ``store cursor; load WAIT``. TSO lets
+each load pass the store before it (store buffer), so both could miss the other: the sleeper
+sleeps on data the publisher never announced. The sleeper's side is closed with a full barrier
+(:func:`fence`: a lock-prefixed atomic, here the uncontended acquire/release of a
+``threading.Lock``, ~0.1 µs, no syscall). The publisher's hot path stays barrier-free, so its
+cursor store may still sit in its store buffer while its load of WAIT sees "not waiting"; a
+store buffer drains within nanoseconds, so the sleeper's first nap after publishing a new WAIT
+is only ``SAFETY_NET_S`` (1 ms): a lost wakeup costs at most that, and the channel counts such
+catches (``missed_wakeups`` in its stats). Later naps of the same wait are long (nothing new can
+race). ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would close the window completely, but it
+IPIs the peer's CPU on every sleep, which costs milliseconds on an overcommitted VM; measured,
+it made latency worse, so it is not used.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import sys
+import threading
+
+__all__ = [
+    "CDC_HEADER_LEN",
+    "CDC_MSG_TYPE",
+    "CTRL_LEN",
+    "DMB_SIZES",
+    "ORDERING_OK",
+    "SAFETY_NET_S",
+    "create_dmb",
+    "decode_header",
+    "encode_header",
+    "fence",
+    "map_dmb",
+    "zero_dmb",
+]
+
+CDC_MSG_TYPE = 0xFE
+CDC_HEADER_LEN = 32
+#: Control trailer after the DMB: WAIT word at +0, KICK word at +64 (separate cache lines).
+CTRL_LEN = 128
+#: SMC-D compressed DMB sizes (``smc_compress_bufsize``: 16 KiB << n, n <= 6 for SMC-D).
+DMB_SIZES = tuple(16384 << n for n in range(7))
+
+# Word indexes in the header viewed as 4 x u64, and in the trailer viewed as 16 x u64.
+W_TYPE, W_PROD, W_CONS = 0, 1, 2
+C_WAIT, C_KICK = 0, 8
+
+# Bit positions of the fields inside the two cursor words, for this host's byte order. The
+# count (bytes 2..5 of the word) lands on bits 16..47 in both byte orders.
+if sys.byteorder == "little":
+    WRAP_SHIFT, COUNT_SHIFT, PFLAGS_SHIFT, CSFLAGS_SHIFT = 0, 16, 48, 56
+    TYPE_WORD = CDC_MSG_TYPE
+else:  # big-endian (s390x): byte 0 is the most significant
+    WRAP_SHIFT, COUNT_SHIFT, PFLAGS_SHIFT, CSFLAGS_SHIFT = 48, 16, 8, 0
+    TYPE_WORD = CDC_MSG_TYPE << 56
+
+_TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "s390x"}
+#: True where plain stores/loads give the ordering the ring relies on (see module docstring).
+ORDERING_OK = platform.machine().lower() in _TSO_MACHINES
+
+#: The sleeper's first nap after publishing WAIT (bounds the Dekker race, see above).
+SAFETY_NET_S = 0.001
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """Full barrier on this CPU: an uncontended lock acquire/release is a lock-prefixed atomic
+    read-modify-write (x86: ``lock cmpxchg``), which orders earlier stores before later loads."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def check_dmb_size(size: int) -> None:
+    if size not in DMB_SIZES:
+        raise ValueError(f"DMB size {size} is not an SMC-D size (16 KiB << n, n = 0..6)")
+
+
+def create_dmb(size: int, name: str = "smc-dmb") -> int:
+    """Create a zeroed DMB memfd of ``size`` bytes plus the control trailer; returns the fd
+    (close-on-exec; hand it on with SCM_RIGHTS or ``pass_fds``)."""
+    check_dmb_size(size)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size + CTRL_LEN)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def zero_dmb(fd: int, size: int) -> None:
+    """Zero a DMB before it is handed to another user: truncating drops every page, so the
+    next user reads zeros (and the memory is given back until it is touched again)."""
+    check_dmb_size(size)
+    os.ftruncate(fd, 0)
+    os.ftruncate(fd, size + CTRL_LEN)
+
+
+def map_dmb(fd: int, size: int) -> mmap.mmap:
+    """Map a DMB (header, ring and trailer) shared and read-write, pages populated up front."""
+    check_dmb_size(size)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size + CTRL_LEN, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def prod_word(wrap: int, count: int) -> int:
+    return (wrap & 0xFFFF) << WRAP_SHIFT | count << COUNT_SHIFT
+
+
+def cons_word(wrap: int, count: int, pflags: int, csflags: int) -> int:
+    return (
+        (wrap & 0xFFFF) << WRAP_SHIFT
+        | count << COUNT_SHIFT
+        | pflags << PFLAGS_SHIFT
+        | csflags << CSFLAGS_SHIFT
+    )
+
+
+def split_word(word: int) -> tuple[int, int, int, int]:
+    """(wrap, count, producer flags, connection state flags) of a cursor word."""
+    return (
+        word >> WRAP_SHIFT & 0xFFFF,
+        word >> COUNT_SHIFT & 0xFFFFFFFF,
+        word >> PFLAGS_SHIFT & 0xFF,
+        word >> CSFLAGS_SHIFT & 0xFF,
+    )
+
+
+def encode_header(
+    prod: tuple[int, int], cons: tuple[int, int], pflags: int = 0, csflags: int = 0
+) -> bytes:
+    """The 32 header bytes exactly as the channel writes them (for tests and tools)."""
+    words = (TYPE_WORD, prod_word(*prod), cons_word(*cons, pflags, csflags), 0)
+    return b"".join(w.to_bytes(8, sys.byteorder) for w in words)
+
+
+def decode_header(buf: bytes | bytearray | memoryview | mmap.mmap) -> dict[str, int]:
+    """Read the header fields out of 32 bytes (a snapshot; for tools, not the data path)."""
+    words = memoryview(bytes(buf[:CDC_HEADER_LEN])).cast("Q")
+    pw, pc, _, _ = split_word(words[W_PROD])
+    cw, cc, pf, csf = split_word(words[W_CONS])
+    return {
+        "type": bytes(buf[:1])[0],
+        "prod_wrap": pw,
+        "prod_count": pc,
+        "cons_wrap": cw,
+        "cons_count": cc,
+        "prod_flags": pf,
+        "conn_state_flags": csf,
+    }
