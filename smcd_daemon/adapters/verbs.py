@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
-import os
 import socket
 import struct
 from pathlib import Path
@@ -34,6 +32,7 @@ from smcd_daemon.core.devices import (
     RdmaDevice,
     RdmaPort,
 )
+from smcd_daemon.transport.verbs import new_event_fd, open_fds
 
 log = logging.getLogger(__name__)
 
@@ -291,28 +290,6 @@ def discover_rdma(root: Path = SYSFS_INFINIBAND) -> list[RdmaDevice]:
 # Port events
 # --------------------------------------------------------------------------------------------
 
-_IBV_CONTEXT_OPS_POINTERS = 32
-
-
-def async_fd_of(ctx: Any) -> int | None:
-    """``ibv_context.async_fd`` of an opened pyverbs Context, or None if the layout check fails."""
-    try:
-        base = int(ctx.context)
-        cmd_fd = int(ctx.cmd_fd)
-    except Exception:
-        return None
-    if base == 0:
-        return None
-    off = ctypes.sizeof(ctypes.c_void_p) * (1 + _IBV_CONTEXT_OPS_POINTERS)
-    if ctypes.c_int.from_address(base + off).value != cmd_fd:
-        return None
-    fd = ctypes.c_int.from_address(base + off + ctypes.sizeof(ctypes.c_int)).value
-    try:
-        os.fstat(fd)
-    except OSError:
-        return None
-    return fd
-
 
 class _OpenDevice:
     def __init__(self, name: str, ctx: Any, async_fd: int | None) -> None:
@@ -377,12 +354,15 @@ class RdmaWatcher:
         pvd = _pyverbs()
         if pvd is None or self._loop is None:
             return
+        # pyverbs 44 exposes no async fd, and reading the C struct behind Context.context crashes
+        # the interpreter; ibv_open_device opens exactly one new [infinibandevent] fd: that one.
+        before = open_fds()
         try:
             ctx = pvd.Context(name=name)
         except Exception as exc:
             log.warning("cannot open RDMA device %s for events: %s", name, exc)
             return
-        fd = async_fd_of(ctx)
+        fd = new_event_fd(before)
         dev = _OpenDevice(name, ctx, fd)
         self._open[name] = dev
         if fd is None:

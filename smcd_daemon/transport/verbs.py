@@ -16,8 +16,8 @@ event must be acked before the CQ is destroyed). pyverbs 44 does not expose the 
 is the one new ``[infinibandevent]`` descriptor that appears while the channel is created. When
 that cannot be told for sure, the port polls the CQ on a timer instead. Async events (port
 active/down, QP fatal) come through the context's async fd, found the same way around
-``ibv_open_device``. (Not with ``smcd_daemon.adapters.verbs.async_fd_of``: it reads
-``Context.context``, and reading that attribute crashes the interpreter with pyverbs 44 —
+``ibv_open_device``. (Never by reading the C struct behind ``Context.context``: reading that
+attribute crashes the interpreter with pyverbs 44 —
 a segfault seen on rxe in the test VM.)
 
 pyverbs is imported lazily, so this module imports on machines without RDMA; using it there
@@ -301,7 +301,7 @@ class _Wr:
     v2: bool = False
 
 
-def _new_event_fd(before: set[int]) -> int | None:
+def new_event_fd(before: set[int]) -> int | None:
     """The one ``[infinibandevent]`` descriptor not in ``before`` (None if not exactly one):
     the async fd of a context just opened, or the fd of a completion channel just created."""
     found = [
@@ -324,7 +324,7 @@ def _fd_targets() -> dict[int, str]:
     return out
 
 
-def _open_fds() -> set[int]:
+def open_fds() -> set[int]:
     return set(_fd_targets())
 
 
@@ -349,7 +349,7 @@ class VerbsPort:
         self.device = device
         self.port = port
         self._root = sysfs_root
-        before = _open_fds()
+        before = open_fds()
         try:
             self._ctx = pv.device.Context(name=device)
         except pv.Error as exc:
@@ -375,7 +375,7 @@ class VerbsPort:
         self._poll_handle: asyncio.TimerHandle | None = None
         self._poll_interval = 0.002
         # ibv_open_device opened the context's async event fd: the one new event fd
-        self._async_fd_found = _new_event_fd(before)
+        self._async_fd_found = new_event_fd(before)
         self._async_fd: int | None = None
         self._channel_fd: int | None = None
         try:
@@ -389,9 +389,9 @@ class VerbsPort:
             self._pd = pv.pd.PD(self._ctx)
             self._channel = None
             if use_channel:
-                before = _open_fds()
+                before = open_fds()
                 self._channel = pv.cq.CompChannel(self._ctx)
-                self._channel_fd = _new_event_fd(before)
+                self._channel_fd = new_event_fd(before)
                 if self._channel_fd is None:
                     log.info("%s: completion channel fd not identified; polling the CQ", device)
                 else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ import pytest
 from smcd_daemon.adapters import verbs
 from smcd_daemon.adapters.verbs import (
     RdmaWatcher,
-    async_fd_of,
     discover_rdma,
     discover_sysfs,
     parse_gid_text,
@@ -76,8 +76,18 @@ def test_watcher_starts_and_stops_cleanly_on_this_host() -> None:
     asyncio.run(main())
 
 
-def test_async_fd_of_refuses_what_is_not_a_context() -> None:
-    assert async_fd_of(object()) is None
+def test_watcher_finds_no_event_fd_where_none_was_opened() -> None:
+    """The watcher identifies a context's async fd as the one new [infinibandevent] fd; opening
+    something else (here a pipe) must not be mistaken for it."""
+    from smcd_daemon.transport.verbs import new_event_fd, open_fds
+
+    before = open_fds()
+    r, w = os.pipe()
+    try:
+        assert new_event_fd(before) is None
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 # -- sysfs parser against a fake tree -------------------------------------------------------

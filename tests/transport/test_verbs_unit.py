@@ -322,7 +322,7 @@ def test_wc_status_names_match_pyverbs() -> None:
 def test_fd_listing_leaves_out_its_own_directory_fd() -> None:
     """The channel's fd is found as "new since before"; the descriptor ``listdir`` used must not
     count as open before, or the next fd opened (which reuses its number) is never "new"."""
-    before = verbs._open_fds()
+    before = verbs.open_fds()
     r, w = os.pipe()
     try:
         after = verbs._fd_targets()
