@@ -442,6 +442,18 @@ class ModesConfig(_Section):
     smcr_v2: StrictBool = _doc("must be true or false", default=True)
 
 
+class SmcrConfig(_Section):
+    """SMC-R link-group limits offered in CLC v2.1 (the kernel's sysctls
+    ``net.smc.smcr_max_conns_per_lgr`` and ``net.smc.smcr_max_links_per_lgr``, same ranges)."""
+
+    max_conns: Count = _doc(
+        "must be an integer, 16 ≤ n ≤ 255 (connections per link group)", default=255, ge=16, le=255
+    )
+    max_links: Count = _doc(
+        "must be an integer, 1 ≤ n ≤ 2 (links per link group)", default=2, ge=1, le=2
+    )
+
+
 class Config(_Section):
     """The whole configuration (frozen: a reload builds a new one)."""
 
@@ -469,6 +481,7 @@ class Config(_Section):
     quota: QuotaConfig = _doc("must be a table", default_factory=QuotaConfig)
     timeouts: TimeoutsConfig = _doc("must be a table", default_factory=TimeoutsConfig)
     modes: ModesConfig = _doc("must be a table", default_factory=ModesConfig)
+    smcr: SmcrConfig = _doc("must be a table", default_factory=SmcrConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -670,6 +683,8 @@ RELOADABLE: frozenset[str] = frozenset(
         "modes.smcd_loopback",
         "modes.smcr_v1",
         "modes.smcr_v2",
+        "smcr.max_conns",
+        "smcr.max_links",
     }
 )
 """Keys a SIGHUP applies at run time (to new connections; existing ones keep what they

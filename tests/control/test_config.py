@@ -190,7 +190,7 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
         (
             "x = 1\n",
             "x = 1: unknown key 'x'; known keys: runtime_dir, handoff_socket, state_dir, "
-            "log_level, peers, dbus, eid, buffers, quota, timeouts, modes",
+            "log_level, peers, dbus, eid, buffers, quota, timeouts, modes, smcr",
         ),
         (
             "[timeouts]\nclc = 3\n",
@@ -353,3 +353,17 @@ def test_parse_config_directly() -> None:
     cfg = parse_config({"eid": {"ueids": ["x"]}}, env=NO_SESSION)
     assert cfg.eid.ueids == ("X",)
     assert cfg.dbus.bus == "private"
+
+
+def test_smcr_limits_follow_the_kernel_sysctl_ranges(tmp_path: Path) -> None:
+    """smcr.max_conns/max_links take the ranges of net.smc.smcr_max_{conns,links}_per_lgr."""
+    for text, needle in (
+        ("[smcr]\nmax_conns = 15\n", "smcr.max_conns = 15: must be an integer, 16 ≤ n ≤ 255"),
+        ("[smcr]\nmax_links = 3\n", "smcr.max_links = 3: must be an integer, 1 ≤ n ≤ 2"),
+    ):
+        errors = _errors(tmp_path, text)
+        assert len(errors) == 1 and needle in errors[0]
+    f = tmp_path / "ok.toml"
+    f.write_text("[smcr]\nmax_conns = 16\nmax_links = 1\n")
+    cfg = load_config(f)
+    assert (cfg.smcr.max_conns, cfg.smcr.max_links) == (16, 1)
