@@ -1,0 +1,238 @@
+"""``make bench``: smcd loopback vs TCP loopback vs Unix stream sockets, between two Python
+processes, in one table from one run.
+
+    .venv/bin/python bench/run.py [--quick] [--json FILE]
+
+A private smcd is started for the run (``smcd_daemon.demo.PrivateSmcd``: temporary runtime
+dir, own handoff socket, private bus) and stopped at the end. For every metric the three kinds
+run back to back (tcp, unix, smcd), so slow drift of the machine hits all of them alike. Sizes
+and counts are fixed; every measurement warms up first; nothing here asserts a number: the exit
+status is 0 when every figure was measured, 1 when something could not be (the table says
+``n/a`` and a note says why). ``--quick`` shrinks every volume for the test suite's smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, os.fspath(HERE))
+sys.path.insert(1, os.fspath(HERE.parent))
+
+import _measure  # noqa: E402
+from _pairs import KINDS, NotOnSmc  # noqa: E402
+from _table import CONCURRENCY, ROWS, Results, render  # noqa: E402
+
+from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every size and count of a run."""
+
+    tput_64k_bytes: int
+    tput_1m_bytes: int
+    tput_warmup: int
+    tput_repeats: int
+    rtt_rounds: int
+    rtt_warmup: int
+    setup_count: int
+    setup_warmup: int
+
+
+FULL = Plan(
+    tput_64k_bytes=512 << 20,
+    tput_1m_bytes=512 << 20,
+    tput_warmup=64 << 20,
+    tput_repeats=3,
+    rtt_rounds=5_000,
+    rtt_warmup=500,
+    setup_count=500,
+    setup_warmup=50,
+)
+QUICK = Plan(
+    tput_64k_bytes=64 << 20,
+    tput_1m_bytes=64 << 20,
+    tput_warmup=8 << 20,
+    tput_repeats=1,
+    rtt_rounds=1_000,
+    rtt_warmup=100,
+    setup_count=100,
+    setup_warmup=10,
+)
+
+
+DEFAULT_CONFIG = '[eid]\nueids = ["SMCD-BENCH"]\n'
+"""Off IBM Z, SMC-Dv2 needs a UEID both ends share (``smcd_daemon.core.eid``); else defaults."""
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, "
+        f"Python {platform.python_version()} ({platform.python_implementation()}), "
+        f"load average {load}"
+    )
+
+
+class Bench:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.res: Results = {k: {row.key: None for row in ROWS} for k in KINDS}
+        self.notes: list[str] = []
+        self.smcd_broken: str | None = None
+        self.smcd_failed = False
+
+    def each(self, keys: tuple[str, ...], fn: Callable[[str], tuple[float | None, ...]]) -> None:
+        """Run ``fn(kind)`` for tcp, unix, smcd; store its values under ``keys``."""
+        for kind in KINDS:
+            if kind == "smcd" and self.smcd_broken:
+                continue
+            try:
+                values = fn(kind)
+            except NotOnSmc as e:
+                self.smcd_failed = True
+                if not any(v is not None for v in self.res["smcd"].values()):
+                    self.smcd_broken = str(e)  # never worked: skip the rest
+                    self.notes.append(f"smcd: no SMC channel, so no smcd figures: {e}")
+                else:
+                    self.notes.append(f"smcd {'/'.join(keys)}: a connection stayed on TCP: {e}")
+                continue
+            except (OSError, RuntimeError) as e:
+                self.notes.append(f"{kind} {'/'.join(keys)}: {type(e).__name__}: {e}")
+                continue
+            for key, value in zip(keys, values, strict=True):
+                self.res[kind][key] = value
+
+    def run(self, progress: Callable[[str], None]) -> None:
+        p = self.plan
+
+        def tput(size: int, total: int) -> Callable[[str], tuple[float]]:
+            def fn(kind: str) -> tuple[float]:
+                runs = [
+                    _measure.throughput(kind, size, total, p.tput_warmup)
+                    for _ in range(p.tput_repeats)
+                ]
+                return (statistics.median(runs),)
+
+            return fn
+
+        progress("throughput, 64 KiB writes")
+        self.each(("tput_64k",), tput(64 << 10, p.tput_64k_bytes))
+        progress("throughput, 1 MiB writes")
+        self.each(("tput_1m",), tput(1 << 20, p.tput_1m_bytes))
+
+        def rtt(size: int) -> Callable[[str], tuple[float, float]]:
+            return lambda kind: _measure.pingpong(kind, size, p.rtt_rounds, p.rtt_warmup)
+
+        for size, name in ((1, "1b"), (1024, "1k")):
+            progress(f"ping-pong, {name}")
+            self.each((f"rtt_{name}_p50", f"rtt_{name}_p99"), rtt(size))
+        progress("connection setup, one at a time")
+
+        def setup1(kind: str) -> tuple[float | None, ...]:
+            s = _measure.setup(kind, p.setup_count, p.setup_warmup)
+            handoff = (s.handoff_p50_us, s.handoff_p99_us) if kind == "smcd" else (None, None)
+            return (s.connect_p50_us, s.connect_p99_us, *handoff, s.rate)
+
+        self.each(("connect_p50", "connect_p99", "handoff_p50", "handoff_p99", "rate_1"), setup1)
+        progress(f"connection setup, {CONCURRENCY} at a time")
+        self.each(
+            ("rate_n",),
+            lambda kind: (_measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY),),
+        )
+
+    @property
+    def complete(self) -> bool:
+        for kind, values in self.res.items():
+            for row in ROWS:
+                if (row.baselines or kind == "smcd") and values[row.key] is None:
+                    return False
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small volumes (the smoke test)")
+    ap.add_argument("--json", metavar="FILE", help="also write the raw figures as JSON")
+    ap.add_argument(
+        "--smcd-config",
+        metavar="FILE",
+        help="configuration for the private smcd (TOML; default: a UEID, nothing else)",
+    )
+    args = ap.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    started = time.monotonic()
+    host = machine()  # before we load the machine ourselves
+
+    def progress(what: str) -> None:
+        print(f"  [{time.monotonic() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
+
+    bench = Bench(plan)
+    config = Path(args.smcd_config).read_text() if args.smcd_config else DEFAULT_CONFIG
+    daemon = PrivateSmcd(log_level="warning", config_text=config)
+    try:
+        try:
+            daemon.start()
+            os.environ.update(daemon.env)  # inherited by the forked processes: our daemon only
+        except DaemonStartError as e:
+            bench.smcd_broken = str(e)
+            bench.notes.append(f"smcd: the private daemon did not start: {e}")
+        bench.run(progress)
+        status = daemon.stop()
+        if status not in (0, None):
+            bench.notes.append(f"smcd exited with status {status} on SIGTERM")
+        if bench.smcd_failed or status not in (0, None):
+            tail = [line for line in daemon.log().splitlines() if "TIMING" not in line][-20:]
+            bench.notes.append("the private smcd's log ends with:\n    " + "\n    ".join(tail))
+    finally:
+        daemon.cleanup()
+    took = time.monotonic() - started
+
+    print(f"smcd benchmark{' (--quick)' if args.quick else ''}: two Python processes per figure")
+    print(f"machine: {host}")
+    print(
+        f"sizes: throughput {plan.tput_64k_bytes >> 20} MiB per run (median of "
+        f"{plan.tput_repeats}), ping-pong {plan.rtt_rounds:,} rounds, "
+        f"{plan.setup_count:,} connections; all after warm-up"
+    )
+    print()
+    print(render(bench.res))
+    print()
+    print(
+        "ratios are smcd/baseline (throughput, connections/s: higher is better; times: lower "
+        "is better); connect (+handoff) = TCP connect, Unix connect, or TCP connect + "
+        "smc_handoff.wrap; a connection = connect, 1-byte echo, close"
+    )
+    for note in bench.notes:
+        print(f"note: {note}")
+    print(f"run time {took:.0f} s")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": machine(), "plan": plan.__dict__, "results": bench.res}, indent=2
+            )
+            + "\n"
+        )
+    return 0 if bench.complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

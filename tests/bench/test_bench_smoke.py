@@ -1,0 +1,94 @@
+"""``bench/run.py --quick``: the benchmark runs end to end and prints its one table complete.
+
+Checks structure, never speed: every row is there, every figure of every kind was measured (so
+the smcd column really went through a private daemon and a shared-memory channel), every ratio
+was computed, and every target carries a met/not-met mark. The raw figures (``--json``) must
+agree with the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "bench" / "run.py"
+
+ROWS = [
+    "throughput, 64 KiB writes",
+    "throughput, 1 MiB writes",
+    "ping-pong RTT 1 B, p50",
+    "ping-pong RTT 1 B, p99",
+    "ping-pong RTT 1 KiB, p50",
+    "ping-pong RTT 1 KiB, p99",
+    "connect (+handoff), p50",
+    "connect (+handoff), p99",
+    "handoff+handshake, p50",
+    "handoff+handshake, p99",
+    "connections/s, one at a time",
+    "connections/s, 4 at a time",
+]
+TARGETS = {
+    "throughput, 64 KiB writes": ">= 4x tcp, >= 1.5x unix",
+    "ping-pong RTT 1 B, p50": "<= 0.3x tcp",
+    "ping-pong RTT 1 KiB, p50": "<= 0.3x tcp",
+    "handoff+handshake, p50": "<= 2000 us",
+    "connections/s, one at a time": ">= 1000/s",
+}
+NUM = r"[\d,]+(?:\.\d+)?"
+RATIO = r"\d+\.\d\dx"
+
+
+def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMCD_")}
+    raw = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, os.fspath(RUN), "--quick", "--json", os.fspath(raw)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{out}\n{proc.stderr}"
+    assert "note:" not in out, out
+    assert re.search(r"^machine: \d+ CPUs .*Python 3\.\d+", out, re.M), out
+
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("metric "))
+    assert lines[header].split() == [
+        "metric", "unit", "tcp", "unix", "smcd", "smcd/tcp", "smcd/unix", "target", "met",
+    ]  # fmt: skip
+    assert set(lines[header + 1]) <= {"-", " "}
+    body = lines[header + 2 : header + 2 + len(ROWS)]
+    for label, line in zip(ROWS, body, strict=True):
+        assert line.startswith(label + " "), (label, line)
+        rest = line[len(label) :].split()
+        unit = rest[0]
+        assert unit in ("GB/s", "us", "1/s"), line
+        if label.startswith("handoff+handshake"):
+            assert rest[1:3] == ["-", "-"] and rest[4:6] == ["-", "-"], line
+            assert re.fullmatch(NUM, rest[3]), line
+        else:
+            assert all(re.fullmatch(NUM, v) for v in rest[1:4]), line
+            assert all(re.fullmatch(RATIO, v) for v in rest[4:6]), line
+        tail = " ".join(rest[6:])
+        if label in TARGETS:
+            assert tail in (TARGETS[label] + " met", TARGETS[label] + " NOT met"), line
+        else:
+            assert tail == "", line
+
+    # the raw figures: every kind measured every figure that applies to it, and they match
+    data = json.loads(raw.read_text())
+    res = data["results"]
+    assert set(res) == {"tcp", "unix", "smcd"}
+    for kind, values in res.items():
+        for key, value in values.items():
+            if key.startswith("handoff_") and kind != "smcd":
+                assert value is None
+            else:
+                assert isinstance(value, float) and value > 0, (kind, key, value)
+    rate_row = body[ROWS.index("connections/s, one at a time")].split()
+    smcd_rate = float(rate_row[rate_row.index("1/s") + 3].replace(",", ""))
+    assert abs(smcd_rate - res["smcd"]["rate_1"]) <= max(1.0, res["smcd"]["rate_1"] * 0.01)
