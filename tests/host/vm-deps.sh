@@ -10,6 +10,10 @@
 #   iproute2         `ip` and `rdma link add ... type rxe` in the guest
 #   rdma-core ibverbs-providers python3-pyverbs   verbs (the rxe provider) for the guest tests
 #   apt dpkg         `apt-get download` + `dpkg-deb -x` of linux-image-amd64 (tests/vm/kernel.py)
+#   gcc-12 make patch xz-utils binutils libelf1
+#                    build the patched rdma_rxe.ko out of tree against the unpacked
+#                    linux-headers (tests/vm/kmod.py; Debian's 6.1 headers name gcc-12, and
+#                    linux-kbuild's objtool links libelf)
 # The guest shares the host's root filesystem, so everything it runs comes from this list.
 # virtme-ng itself is a Python package: the `test` extra of pyproject.toml pins it.
 set -euo pipefail
@@ -18,6 +22,7 @@ PKGS=(
   qemu-system-x86 busybox-static kmod file tcpdump iproute2
   rdma-core ibverbs-providers python3-pyverbs
   apt dpkg
+  gcc-12 make patch xz-utils binutils libelf1
 )
 
 missing=()

@@ -10,6 +10,7 @@ import pytest
 
 from tests.vm.harness import VmRun, boot_and_test, collected_guest_tests
 from tests.vm.kernel import KernelError, KernelTree, ensure_kernel
+from tests.vm.kmod import KmodError, ensure_rxe_module
 
 collect_ignore = ["guest"]
 
@@ -39,6 +40,12 @@ def vm_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         run = VmRun(kernel=KernelTree(version="?", root=outdir), outdir=outdir)
         run.error = f"cannot get the VM kernel: {exc}"
         return run
+    # The kernel's SMC-R (guest test_kernel_oracle) needs a patched rxe; built once, cached. A
+    # build failure does not stop the VM: the guest keeps the stock rxe and only that test fails.
+    try:
+        rxe_module = ensure_rxe_module(kernel).to_json()
+    except KmodError as exc:
+        rxe_module = {"error": str(exc)}
     selected = _selected_guest_tests(request.session)
     everything = set(selected) >= set(collected_guest_tests()[0])
-    return boot_and_test(kernel, outdir, [] if everything else selected)
+    return boot_and_test(kernel, outdir, [] if everything else selected, rxe_module=rxe_module)

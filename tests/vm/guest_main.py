@@ -91,6 +91,7 @@ def run(out: Path) -> int:
     request = json.loads((out / "request.json").read_text())
     info = _Info(out / "guest.json")
     info.step("started")
+    _load_patched_rxe(request.get("rxe_module"), info)
     try:
         ports = topology.configure()
     except Exception as exc:
@@ -133,6 +134,34 @@ def run(out: Path) -> int:
     return 0
 
 
+def _load_patched_rxe(module: dict[str, Any] | None, info: _Info) -> None:
+    """Load the host-built patched ``rdma_rxe.ko`` (``tests/vm/kmod.py``) before the network setup.
+
+    topology.configure() then finds rdma_rxe loaded (its ``modprobe`` is a no-op). The patch fixes
+    two rxe bugs that hang the kernel's SMC-R (test_kernel_oracle); the other tests run on it too.
+    On any failure the stock module is used and the error is kept in guest.json (rxe_module).
+    """
+    if not module or "path" not in module:
+        info.step("rxe_stock", rxe_module=f"stock ({(module or {}).get('error', 'none built')})")
+        return
+    try:
+        for cmd in (["modprobe", "-a", *module["depends"]], ["insmod", module["path"]]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` exited {done.returncode}: {done.stderr}")
+    except (OSError, subprocess.TimeoutExpired, RuntimeError) as exc:
+        info.step("rxe_stock", rxe_module=f"stock (loading the patched module failed: {exc})")
+        return
+    info.step("rxe_patched", rxe_module=f"patched {module['path']}")
+
+
+def _poweroff_key() -> str:
+    """sysrq 'o' (power off), but 'b' (reboot: qemu runs with -no-reboot, so it exits) once the
+    kernel's SMC module is loaded: its reboot notifier waits for link groups to go away, which
+    can block a power-off for minutes (test_kernel_oracle leaves a link group behind)."""
+    return "b" if Path("/sys/module/smc").exists() else "o"
+
+
 def _save_dmesg(out: Path) -> None:
     try:
         text = subprocess.run(
@@ -154,7 +183,7 @@ def main() -> int:
     os.sync()
     if os.environ.get("SMCD_VM_NO_POWEROFF") != "1":
         time.sleep(0.2)
-        Path("/proc/sysrq-trigger").write_text("o")
+        Path("/proc/sysrq-trigger").write_text(_poweroff_key())
         time.sleep(30)  # poweroff is asynchronous; never return into a half-shut system
     return rc
 

@@ -229,11 +229,16 @@ def boot_and_test(
     *,
     timeout: int | None = None,
     test_timeout: int = DEFAULT_TEST_TIMEOUT,
+    rxe_module: dict[str, Any] | None = None,
 ) -> VmRun:
     """Boot the VM once, run ``selection`` (guest node ids; [] = all), return what came back.
 
     Never raises for a VM that misbehaves: that is recorded in ``VmRun.error`` so that each test
     can fail with the reason.
+
+    ``rxe_module``: the patched Soft-RoCE module (``tests.vm.kmod.RxeModule.to_json()``) the guest
+    loads instead of the stock one, or ``{"error": ...}`` when it could not be built (the guest
+    then uses the stock module and only the tests needing the patch fail, with that error).
     """
     timeout = timeout or vm_timeout()
     outdir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +255,8 @@ def boot_and_test(
                 "test_timeout": test_timeout,
                 # leave the guest time to save dmesg and power off before the host kills it
                 "pytest_timeout": max(60, timeout - 150),
+                # kernel-oracle: read by guest_main (insmod) and test_kernel_oracle
+                "rxe_module": rxe_module,
             }
         )
     )
