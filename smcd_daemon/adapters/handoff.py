@@ -35,9 +35,12 @@ CHANNEL
     Both halves of one TCP connection meet in a *pair* keyed by the 4-tuple (and checked by the
     two DMB tokens each half negotiated). The pair owns the two eventfds and the peer-link
     socketpair; each half is sent its receive DMB, the peer's DMB, its eventfd, the peer's and its
-    end of the peer link. The daemon closes every copy of the borrowed TCP descriptor before
+    end of the peer link. The DMB memfds handed out are the pool's own (each sized DMB + the
+    channel's 128-byte control trailer), so reuse, zeroing and quotas apply to exactly what the
+    applications map. The daemon closes every copy of the borrowed TCP descriptor before
     replying, and its copies of the eventfds and peer-link ends once both halves have theirs: it
-    keeps only the DMB memfds (in the pool), which it maps read-only to show cursors and bytes.
+    keeps only the DMB memfds (in the pool) and one read-only view of each DMB's first page
+    (mapped without a descriptor of its own) to show cursors and bytes.
 FALLBACK
     With the negotiator's reason (kernel codes; PEERDECL plus the peer's diagnosis when the peer
     declined). Past a quota: SMC_CLC_DECL_MAX_DMB. Fallen-back connections stay visible in the
@@ -45,7 +48,15 @@ FALLBACK
     it cannot see when the application closes it).
 Release
     A half lets go of its DMB (unregister) and of its reference on the peer's (detach) when its
-    connection hangs up; the pool takes a buffer back only when both halves have let go.
+    connection hangs up; the pool takes a buffer back (and zeroes it) only when both halves have
+    let go. When the last SMC connection is gone the daemon logs the pool's state.
+Hot path
+    A handoff costs the daemon a few event-loop turns; what is not needed for the reply stays off
+    it: registry records are published only for connections that live :data:`PUBLISH_DELAY`
+    (short request/response connections are counted, never exported on D-Bus), the registry and
+    link-group bookkeeping follows the CHANNEL reply, DMBs are zeroed on release rather than on
+    reuse, addresses are normalised once (cached), per-user counts are kept rather than counted,
+    and idle connections cost the cursor refresh only a comparison of header words.
 RESUME
     After a daemon restart the library re-registers a live channel: the daemon records it again
     (addresses from the TCP socket, byte counts from the library; it holds no copy of the DMBs,
@@ -57,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import ipaddress
 import logging
@@ -133,11 +145,10 @@ LGR_FREE_DELAY = 10.0
 """A link group without connections is freed after this delay (the kernel waits 10 minutes;
 loopback link groups cost nothing to recreate)."""
 PUBLISH_DELAY = 0.05
-"""New connections reach the registry (and D-Bus) in batches, this long after their handshake:
+"""New connections reach the registry (and D-Bus) once they have lived this long, in batches:
 exporting a D-Bus object costs more than the whole handshake, so it stays off that path, and a
-connection that is gone again before then is only counted, never exported."""
-CTRL_TRAILER = 128
-"""Bytes the channel (``smc_handoff._ring.CTRL_LEN``) maps after each DMB for its wakeup words."""
+connection that is gone again before then (a short request/response connection) is only
+counted, never exported."""
 
 
 class HandoffError(SmcError):
@@ -243,32 +254,85 @@ def fallback_message(code: int, detail: str, peer_diagnosis: int | None = None) 
     return m.Fallback(code, _reason_name(code), _clip(detail), peer_diagnosis)
 
 
+LOCAL_ADDRESS_TTL = 2.0
+"""Seconds an answer of :func:`_is_local_address` is reused (addresses come and go rarely; a
+wildcard listener's clients would otherwise cost a socket and a bind each)."""
+_local_addresses: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, tuple[bool, float]] = {}
+
+
 def _is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     """Is ``ip`` an address of this network namespace? (Binding to it succeeds only then.)"""
     if ip.is_loopback:
         return True
+    now = time.monotonic()
+    known = _local_addresses.get(ip)
+    if known is not None and known[1] > now:
+        return known[0]
     fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     with socket.socket(fam, socket.SOCK_DGRAM) as s:
         try:
             s.bind((str(ip), 0))
+            local = True
         except OSError:
-            return False
-    return True
+            local = False
+    if len(_local_addresses) >= 1024:
+        _local_addresses.clear()
+    _local_addresses[ip] = (local, now + LOCAL_ADDRESS_TTL)
+    return local
 
 
 # -- DMB views --------------------------------------------------------------------------------
 
 
+class _Libc:
+    """``mmap(2)``/``munmap(2)`` through ctypes: Python's :class:`mmap.mmap` keeps a duplicate of
+    the descriptor for as long as the mapping lives, which would double the daemon's descriptors
+    (one more per DMB on top of the pool's memfd)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.argtypes = (
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_long,
+        )  # fmt: skip
+        self.mmap.restype = ctypes.c_void_p
+        self.munmap = libc.munmap
+        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self.munmap.restype = ctypes.c_int
+
+
+_libc: _Libc | None = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 class _DmbView:
     """A read-only mapping of a DMB's first page, to read its CDC header without tearing: each
-    cursor is one aligned 8-byte word, loaded with one 8-byte load (see ``smc_handoff._ring``)."""
+    cursor is one aligned 8-byte word, loaded with one 8-byte load (see ``smc_handoff._ring``;
+    ctypes reads a ``c_uint64`` with one fixed-size ``memcpy`` as the memoryview does). The
+    mapping holds no descriptor of its own."""
 
     def __init__(self, fd: int) -> None:
-        self._mm = mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-        self._words = memoryview(self._mm).cast("Q")
+        global _libc
+        if _libc is None:
+            _libc = _Libc()
+        addr = _libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping a DMB header: {os.strerror(err)}")
+        self._addr: int | None = addr
+        self._words = (ctypes.c_uint64 * 4).from_address(addr)
 
-    def header(self) -> SmcdCdcHeader | None:
-        raw = b"".join(w.to_bytes(8, sys.byteorder) for w in self._words[:4])
+    def words(self) -> tuple[int, ...]:
+        """The header's four words, each loaded whole (cheap to compare with the last read)."""
+        if self._addr is None:
+            raise ValueError("the DMB view is closed")
+        w = self._words
+        return (w[0], w[1], w[2], w[3])
+
+    @staticmethod
+    def header(words: tuple[int, ...]) -> SmcdCdcHeader | None:
+        raw = b"".join(w.to_bytes(8, sys.byteorder) for w in words)
         if raw[0] != 0xFE:
             return None  # nothing written yet
         try:
@@ -277,8 +341,9 @@ class _DmbView:
             return None
 
     def close(self) -> None:
-        self._words.release()
-        self._mm.close()
+        if self._addr is not None and _libc is not None:
+            addr, self._addr = self._addr, None
+            _libc.munmap(addr, mmap.PAGESIZE)
 
 
 def _advance(ring: int, old: Cursor, new: Cursor) -> int:
@@ -299,8 +364,8 @@ class _Pair:
     tokens: tuple[int, int]  # (client DMB token, server DMB token)
     ev: dict[ConnRole, int]  # the eventfd each half sleeps on
     link: dict[ConnRole, int]  # each half's end of the peer link
-    mem: dict[int, int]  # DMB token → the memfd handed out (pool fd, or a glue memfd)
-    own_mem: list[int]  # glue memfds this pair created (closed with it)
+    mem: dict[int, int]  # DMB token → the pool's memfd (DMB + control trailer) handed out
+    views: dict[int, _DmbView]  # DMB token → the daemon's read-only view of its header
     taken: set[ConnRole] = field(default_factory=set)
     released: set[ConnRole] = field(default_factory=set)
     pending: list[tuple[str, int]] = field(default_factory=list)
@@ -317,11 +382,12 @@ class _Pair:
         self.link.clear()
 
     def close_all(self) -> None:
+        """Close everything the pair owns (the memfds belong to the pool)."""
         self.close_shared()
-        for fd in self.own_mem:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.own_mem.clear()
+        for view in self.views.values():
+            with contextlib.suppress(Exception):
+                view.close()
+        self.views.clear()
 
 
 @dataclass(eq=False)
@@ -340,13 +406,11 @@ class _Half:
     tx_view: _DmbView | None = None
     rx_cons: Cursor = field(default_factory=Cursor)
     tx_prod: Cursor = field(default_factory=Cursor)
+    seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # header words last refreshed
     closed: bool = False
 
     def close_views(self) -> None:
-        for view in (self.rx_view, self.tx_view):
-            if view is not None:
-                with contextlib.suppress(Exception):
-                    view.close()
+        """Stop reading the headers (the views belong to the pair, which closes them)."""
         self.rx_view = self.tx_view = None
 
 
@@ -363,14 +427,19 @@ class _Listener:
 class _Client:
     sock: socket.socket
     cred: PeerCred | None
-    label: str
+    uid: int = 65534
     task: asyncio.Task[None] | None = None
     half: _Half | None = None
     listener: _Listener | None = None
 
+    def __post_init__(self) -> None:
+        if self.cred is not None:
+            self.uid = self.cred.uid
+
     @property
-    def uid(self) -> int:
-        return self.cred.uid if self.cred is not None else 65534
+    def label(self) -> str:
+        """Who this is, for log messages (built only when a message is logged)."""
+        return str(self.cred) if self.cred is not None else "unknown peer"
 
 
 class _Refused(Exception):
@@ -428,6 +497,7 @@ class HandoffServer:
         )
         self.hostname = socket.gethostname()
         self._clients: set[_Client] = set()
+        self._held: dict[int, int] = {}  # uid → handoff connections it holds (quota checks)
         self._pairs: dict[tuple[Endpoint, Endpoint], _Pair] = {}
         self._halves: dict[int, _Half] = {}
         self._listeners: dict[int, _Listener] = {}
@@ -436,6 +506,7 @@ class HandoffServer:
         self._lgr_timers: dict[int, asyncio.TimerHandle] = {}
         self._inflight = 0
         self._unpublished: dict[int, Connection] = {}
+        self._due: dict[int, float] = {}  # conn_id → when it is published (insertion = due order)
         self._publish_timer: asyncio.TimerHandle | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -516,9 +587,11 @@ class HandoffServer:
             return
         conn.setblocking(False)
         cred = peer_cred(conn)
-        client = _Client(conn, cred, label=str(cred) if cred else "unknown peer")
-        log.debug("handoff: connection from %s", client.label)
+        client = _Client(conn, cred)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff: connection from %s", client.label)
         self._clients.add(client)
+        self._held[client.uid] = self._held.get(client.uid, 0) + 1
         assert self._loop is not None
         client.task = self._loop.create_task(self._client_loop(client), name="smcd-handoff")
 
@@ -601,6 +674,11 @@ class HandoffServer:
             log.exception("handoff: unexpected error serving %s; connection closed", client.label)
         finally:
             self._clients.discard(client)
+            left = self._held.get(client.uid, 1) - 1
+            if left > 0:
+                self._held[client.uid] = left
+            else:
+                self._held.pop(client.uid, None)
             self._hang_up(client)
             client.sock.close()
 
@@ -690,10 +768,11 @@ class HandoffServer:
         if role is ConnRole.SERVER:
             key = (key[1], key[0])
         tcp.close()  # every copy of the borrowed descriptor is gone before we reply
+        # The one place where the negotiated outcome picks the transport of the reply.
         if isinstance(outcome, FallbackOutcome):
             self._drop_pair(key, "the other half fell back")
             return self._reply_fallback(client, conn, outcome)
-        return self._reply_channel(client, conn, role, key, outcome)
+        return self._reply_channel(client, conn, role, key, outcome)  # SMC-D over loopback-ism
 
     async def _run_client(
         self, client: _Client, hint: int, tcp: BorrowedTcp
@@ -701,7 +780,7 @@ class HandoffServer:
         peer = endpoint(tcp.peer)
         why = self._peer_speaks_smc(peer)
         limit = self._session_limit(client.uid)
-        held = sum(1 for c in self._clients if c.uid == client.uid)
+        held = self._held.get(client.uid, 0)
         if why is not None and limit and held > limit:
             return FallbackOutcome(
                 int(DeclineReason.MAX_DMB),
@@ -785,25 +864,16 @@ class HandoffServer:
 
     # -- CHANNEL ------------------------------------------------------------------------------
 
-    def _memfd(self, token: int, size: int, own: list[int]) -> int:
-        """The memfd that backs DMB ``token`` for the channel: the pool's own when it has room
-        for the channel's control trailer, else a glue memfd of the right size (the pool seals
-        its memfds at the DMB size; the channel maps DMB + trailer)."""
-        dmb = self.pool.get(token)
-        if os.fstat(dmb.fd).st_size >= size + CTRL_TRAILER:
-            return dmb.fd
-        fd = os.memfd_create(f"smcd-dmb-{size >> 10}k", os.MFD_CLOEXEC)
-        own.append(fd)
-        os.ftruncate(fd, size + CTRL_TRAILER)
-        return fd
-
-    def _make_pair(
-        self, key: tuple[Endpoint, Endpoint], tokens: tuple[int, int], sizes: tuple[int, int]
-    ) -> _Pair:
-        own: list[int] = []
+    def _make_pair(self, key: tuple[Endpoint, Endpoint], tokens: tuple[int, int]) -> _Pair:
+        """The shared part of a connection, made when its first half is ready: the pool's
+        memfds of both DMBs (sized DMB + control trailer, exactly what the channel maps), two
+        eventfds and the peer-link socketpair."""
+        mem = {t: self.pool.get(t).fd for t in tokens}
+        views: dict[int, _DmbView] = {}
         fds: list[int] = []
         try:
-            mem = {t: self._memfd(t, size, own) for t, size in zip(tokens, sizes, strict=True)}
+            for token, fd in mem.items():
+                views[token] = _DmbView(fd)
             flags = os.EFD_CLOEXEC | os.EFD_NONBLOCK
             ev_c = os.eventfd(0, flags)
             fds.append(ev_c)
@@ -812,7 +882,9 @@ class HandoffServer:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             link_c, link_s = a.detach(), b.detach()
         except BaseException:
-            m.close_fds(own + fds)
+            m.close_fds(fds)
+            for view in views.values():
+                view.close()
             raise
         pair = _Pair(
             key=key,
@@ -820,7 +892,7 @@ class HandoffServer:
             ev={ConnRole.CLIENT: ev_c, ConnRole.SERVER: ev_s},
             link={ConnRole.CLIENT: link_c, ConnRole.SERVER: link_s},
             mem=mem,
-            own_mem=own,
+            views=views,
         )
         assert self._loop is not None
         wait = self.cfg.timeouts.clc_wait * 2 + 1.0
@@ -868,11 +940,6 @@ class HandoffServer:
             if role is ConnRole.CLIENT
             else (out.peer_token, out.local_token)
         )
-        sizes = (
-            (out.local_dmb_size, out.peer_dmb_size)
-            if role is ConnRole.CLIENT
-            else (out.peer_dmb_size, out.local_dmb_size)
-        )
         half = _Half(
             conn_id, role, client.uid, out.local_token, out.peer_token,
             out.local_dmb_size, out.peer_dmb_size,
@@ -885,10 +952,10 @@ class HandoffServer:
             if pair is not None and (pair.tokens != tokens or role in pair.taken):
                 raise SmcError(f"pairing {key} does not match the tokens of this half")
             if pair is None:
-                pair = self._make_pair(key, tokens, sizes)
+                pair = self._make_pair(key, tokens)
             half.pair = pair
             rx_fd, tx_fd = pair.mem[out.local_token], pair.mem[out.peer_token]
-            half.rx_view, half.tx_view = _DmbView(rx_fd), _DmbView(tx_fd)
+            half.rx_view, half.tx_view = pair.views[out.local_token], pair.views[out.peer_token]
             other = ConnRole.SERVER if role is ConnRole.CLIENT else ConnRole.CLIENT
             fds = [rx_fd, tx_fd, pair.ev[role], pair.ev[other], pair.link[role]]
         except (SmcError, OSError, KeyError) as e:
@@ -900,9 +967,9 @@ class HandoffServer:
             return self._reply_fallback(client, conn, outcome)
         client.half = half
         self._halves[conn_id] = half
-        self._count_channel(half, conn, out)
         reply = m.Channel(conn_id, m.Mode.SMCD, half.rx_size, half.tx_size)
-        sent = self._send(client, reply, fds)
+        sent = self._send(client, reply, fds)  # first: the application waits for it
+        self._count_channel(half, conn, out)
         # The half has its end of the peer link (or lost it): ours goes now.
         pair.taken.add(role)
         with contextlib.suppress(OSError):
@@ -915,10 +982,11 @@ class HandoffServer:
         if not sent:
             return False  # the finally of the client loop releases the half
         self.stats.channels += 1
-        log.debug(
-            "handoff: %s: SMC-D connection %d (%s, lgr %#x, rx %d, tx %d)",
-            client.label, conn_id, role.value.lower(), out.link_id, half.rx_size, half.tx_size,
-        )  # fmt: skip
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "handoff: %s: SMC-D connection %d (%s, lgr %#x, rx %d, tx %d)",
+                client.label, conn_id, role.value.lower(), out.link_id, half.rx_size, half.tx_size,
+            )  # fmt: skip
         return True
 
     def _count_channel(self, half: _Half, conn: Connection, out: SmcdLoopbackOutcome) -> None:
@@ -1022,18 +1090,37 @@ class HandoffServer:
     # -- registry, batched ----------------------------------------------------------------------
 
     def _add(self, conn: Connection) -> None:
-        """Add ``conn`` to the registry with the next batch (see :data:`PUBLISH_DELAY`)."""
+        """Add ``conn`` to the registry once it has lived :data:`PUBLISH_DELAY` seconds."""
         self._unpublished[conn.conn_id] = conn
+        self._due[conn.conn_id] = time.monotonic() + PUBLISH_DELAY
         if self._publish_timer is None and self._loop is not None:
-            self._publish_timer = self._loop.call_later(PUBLISH_DELAY, self.publish)
+            self._publish_timer = self._loop.call_later(PUBLISH_DELAY, self._publish_due)
+
+    def _publish_due(self) -> None:
+        """The timer: publish every connection that is due, then wait for the next one."""
+        self._publish_timer = None
+        now = time.monotonic()
+        due = []
+        for conn_id, when in self._due.items():
+            if when > now:
+                break
+            due.append(conn_id)
+        self._publish(due)
+        if self._due and self._loop is not None:
+            wait = max(next(iter(self._due.values())) - now, 0.001)
+            self._publish_timer = self._loop.call_later(wait, self._publish_due)
 
     def publish(self) -> None:
         """Add every pending connection to the registry now."""
         if self._publish_timer is not None:
             self._publish_timer.cancel()
             self._publish_timer = None
-        pending, self._unpublished = self._unpublished, {}
-        for conn in pending.values():
+        self._publish(list(self._due))
+
+    def _publish(self, conn_ids: list[int]) -> None:
+        for conn_id in conn_ids:
+            del self._due[conn_id]
+            conn = self._unpublished.pop(conn_id)
             if conn.lgr_id is not None and self.registry.link_group(conn.lgr_id) is None:
                 conn = dataclasses.replace(conn, lgr_id=None)
             try:
@@ -1057,6 +1144,7 @@ class HandoffServer:
         """Take a connection out (published or not); a fallback never published still counts."""
         conn = self._unpublished.pop(conn_id, None)
         if conn is not None:
+            del self._due[conn_id]
             if conn.mode is ConnMode.TCP and conn.fallback_reason:
                 self.registry.stats.count_fallback(conn.fallback_reason, conn.role)
             return conn
@@ -1095,6 +1183,13 @@ class HandoffServer:
         while self._halves:
             await asyncio.sleep(REFRESH_INTERVAL)
             self.refresh()
+        st = self.pool.stats()
+        log.info(
+            "handoff: no SMC connection left; DMB pool: %d buffers in use (%d bytes), "
+            "%d cached (%d bytes)",
+            st.in_use_buffers, st.in_use_bytes,
+            st.allocated_buffers - st.in_use_buffers, st.allocated_bytes - st.in_use_bytes,
+        )  # fmt: skip
 
     def refresh(self) -> None:
         """Bring cursors and byte counts of every live SMC connection up to date."""
@@ -1108,11 +1203,15 @@ class HandoffServer:
         """Read both CDC headers of ``half``: counters always, the record if ``publish``."""
         if half.rx_view is None or half.tx_view is None:
             return
+        words = (half.rx_view.words(), half.tx_view.words())
+        if words == half.seen:
+            return  # nothing moved since the last refresh (an idle connection costs no more)
         conn = self._connection(half.conn_id)
         if conn is None:
             return
-        rx_hdr = half.rx_view.header()  # written by the peer: its producer and consumer cursor
-        tx_hdr = half.tx_view.header()  # written by this half into the peer's DMB
+        half.seen = words
+        rx_hdr = _DmbView.header(words[0])  # written by the peer: its producer/consumer cursor
+        tx_hdr = _DmbView.header(words[1])  # written by this half into the peer's DMB
         changes: dict[str, Any] = {}
         if rx_hdr is not None:
             changes["rx_prod"], changes["tx_cons"] = rx_hdr.prod, rx_hdr.cons
@@ -1161,7 +1260,7 @@ class HandoffServer:
         finally:
             sock.close()  # the daemon keeps no copy
         limit = self._session_limit(client.uid)
-        held = sum(1 for c in self._clients if c.uid == client.uid)
+        held = self._held.get(client.uid, 0)
         if limit and held > limit:
             reply = fallback_message(
                 int(DeclineReason.MAX_DMB),

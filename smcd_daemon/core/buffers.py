@@ -1,9 +1,13 @@
 """The DMB pool: memfd-backed shared-memory buffers for SMC-D over loopback-ism.
 
 A connection over loopback-ism has two DMBs (one per receiving side). Each is a memfd of one of the
-SMC-D size classes ``16 KiB << n`` (n = 0..6, at most ``buffers.max_dmb_size``), laid out as
-``[32-byte SMC-D CDC header | ring]``. The daemon creates them, hands duplicates of the fd to the
-two applications and stays out of the data path.
+SMC-D size classes ``16 KiB << n`` (n = 0..6, at most ``buffers.max_dmb_size``) plus the channel's
+control trailer (:data:`smc_handoff._ring.CTRL_LEN`, 128 bytes of wakeup words that are not part of
+the DMB proper), laid out as ``[32-byte SMC-D CDC header | ring | control trailer]``. The daemon
+creates them, hands duplicates of the fd to the two applications, which map exactly these memfds,
+and stays out of the data path. So every rule below (reuse, zeroing, quotas) applies to the memory
+the applications share. Sizes, quotas and statistics count the DMB proper (``size``); the trailer
+is a fixed overhead of the memfd (``file_size``).
 
 Why each rule is what it is:
 
@@ -13,9 +17,10 @@ Why each rule is what it is:
   stops even the smallest is :class:`DmbLimitError` (the kernel's -ENOSPC from ``register_dmb``,
   which it maps to SMC_CLC_DECL_MAX_DMB), a failing ``memfd_create`` is :class:`DmbMemoryError`
   (SMC_CLC_DECL_MEM). Either is a reason to fall back to TCP, never a crash.
-* **Sealed size.** Each memfd is sealed ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` at creation:
-  an application holding the fd cannot truncate it under its peer's mapping (which would SIGBUS
-  the peer) nor add a write seal that would stop the peer from mapping it writable.
+* **Sealed size.** Each memfd is sized ``size + CTRL_LEN`` and sealed ``F_SEAL_SHRINK |
+  F_SEAL_GROW | F_SEAL_SEAL`` at creation: an application holding the fd cannot truncate it under
+  its peer's mapping (which would SIGBUS the peer) nor add a write seal that would stop the peer
+  from mapping it writable.
 * **Tokens.** 64-bit random, never 0, unique among live DMBs (as loopback-ism's ``register_dmb``
   retries on a collision). A buffer gets a fresh token every time it is handed out, so a stale
   token held by a past peer never reaches a new connection's buffer.
@@ -27,9 +32,14 @@ Why each rule is what it is:
   revoke a mapping an application made (it may keep a dup of the fd forever), so a memfd is only
   ever reused for a new owner whose uid is the *only* uid that ever had access to it (owner and
   every attacher): anything else gets a fresh memfd, which the kernel guarantees to be zero, and
-  the old one is closed. A reused memfd is always zeroed completely before it is handed out (the
-  ring header must start with zero cursors, and stale ring bytes must not be visible to the next
-  connection even of the same user). Zeroing punches a hole over the whole file
+  the old one is closed. A reused memfd is always zeroed completely before it is handed out again
+  (the ring header must start with zero cursors, stale ring bytes must not be visible to the next
+  connection even of the same user, and the control trailer must hold no stale wakeup words): it
+  is zeroed as soon as it comes back to the pool, which keeps that work off the next handshake.
+  The daemon returns a buffer to the pool only when both halves' handoff connections have hung
+  up, and the library unmaps a channel before it closes that connection, so a reused buffer is
+  mapped by nobody from its previous connection (a process that died had its mappings removed by
+  the kernel before its descriptors were closed). Zeroing punches a hole over the whole file
   (``fallocate(PUNCH_HOLE|KEEP_SIZE)``): it frees the pages instead of writing them (measured
   here for a fully written 1 MiB memfd: ~150 µs, against ~210 µs for a ``pwrite`` of zeros, and
   the memory goes back to the system while the buffer waits in the pool); the next writer faults
@@ -38,6 +48,10 @@ Why each rule is what it is:
   limit) and for the whole pool (``buffers.pool_max_bytes`` over all memfds including cached free
   ones, ``buffers.pool_max_buffers`` over DMBs in use, the analogue of loopback-ism's 5000).
   Cached free buffers are evicted (closed) when a new buffer needs their bytes.
+
+Accounting is kept in running totals (allocation is on the handshake path and the pool may hold
+thousands of buffers), and :meth:`DmbPool.close` closes every memfd the pool holds, in use or not:
+the applications keep their own duplicates and mappings.
 
 Not thread-safe: the daemon's event loop owns it.
 """
@@ -53,10 +67,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from smc_handoff._ring import CTRL_LEN
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire.reasons import DeclineReason
 
 __all__ = [
+    "CTRL_LEN",
     "SMCD_DMBE_SIZES",
     "SMC_BUF_MIN",
     "ClassStats",
@@ -146,6 +162,11 @@ class Dmb:
     @property
     def size(self) -> int:
         return decompress(self.size_comp)
+
+    @property
+    def file_size(self) -> int:
+        """Bytes of the memfd: the DMB and the channel's control trailer after it."""
+        return self.size + CTRL_LEN
 
     @property
     def ring_size(self) -> int:
@@ -247,6 +268,9 @@ class DmbPool:
         self._all: set[Dmb] = set()
         self._user_bytes: dict[int, int] = {}
         self._user_buffers: dict[int, int] = {}
+        self._allocated_bytes = 0  # every memfd the pool holds (DMB sizes)
+        self._in_use_bytes = 0
+        self._in_use_buffers = 0
         self._zeroings = 0
         self._fresh = 0
         self._reuses = 0
@@ -299,6 +323,8 @@ class DmbPool:
             dmb.registered = True
             dmb.accessors.add(uid)
             self._by_token[dmb.token] = dmb
+            self._in_use_bytes += dmb.size
+            self._in_use_buffers += 1
             self._user_bytes[uid] = self._user_bytes.get(uid, 0) + dmb.size
             self._user_buffers[uid] = self._user_buffers.get(uid, 0) + 1
             return dmb
@@ -339,11 +365,7 @@ class DmbPool:
         for i in range(len(free) - 1, -1, -1):
             dmb = free[i]
             if dmb.accessors <= {uid}:
-                del free[i]
-                t0 = time.perf_counter()
-                _zero(dmb.fd, dmb.size)
-                self.last_zero_seconds = time.perf_counter() - t0
-                self._zeroings += 1
+                del free[i]  # zeroed when it came back (see _put)
                 self._reuses += 1
                 return dmb
         # Need a fresh memfd: make room among cached free buffers first.
@@ -369,7 +391,7 @@ class DmbPool:
         except OSError as exc:
             raise DmbMemoryError(f"memfd_create failed: {exc}") from exc
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size + CTRL_LEN)
             fcntl.fcntl(
                 fd,
                 fcntl.F_ADD_SEALS,
@@ -383,10 +405,14 @@ class DmbPool:
             raise
         dmb = Dmb(fd=fd, size_comp=comp, inode=inode)
         self._all.add(dmb)
+        self._allocated_bytes += size
         return dmb
 
     def _destroy(self, dmb: Dmb) -> None:
+        if dmb not in self._all:
+            return  # closed already (the pool was closed while it was in use)
         self._all.discard(dmb)
+        self._allocated_bytes -= dmb.size
         os.close(dmb.fd)
         dmb.fd = -1
 
@@ -437,6 +463,8 @@ class DmbPool:
         if dmb.refs > 0:
             return
         del self._by_token[dmb.token]
+        self._in_use_bytes -= dmb.size
+        self._in_use_buffers -= 1
         uid = dmb.owner_uid
         self._user_bytes[uid] -= dmb.size
         self._user_buffers[uid] -= 1
@@ -447,22 +475,33 @@ class DmbPool:
         if self._closed or len(dmb.accessors) > 1:
             # Shared with another uid: no owner can ever safely get it back (module docstring).
             self._destroy(dmb)
-        else:
-            self._free[dmb.size_comp].append(dmb)
+            return
+        # Zeroed now, when both ends have let go, rather than when it is handed out again: the
+        # work stays off the next handshake and the pages go back to the system meanwhile.
+        t0 = time.perf_counter()
+        try:
+            _zero(dmb.fd, dmb.file_size)
+        except OSError:
+            self._destroy(dmb)  # cannot be made clean: never hand it out again
+            return
+        self.last_zero_seconds = time.perf_counter() - t0
+        self._zeroings += 1
+        self._free[dmb.size_comp].append(dmb)
 
     # ---- accounting ---------------------------------------------------------------------------
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(d.size for d in self._all)
+        """DMB bytes of every memfd the pool holds (in use or cached)."""
+        return self._allocated_bytes
 
     @property
     def in_use_bytes(self) -> int:
-        return sum(d.size for d in self._all if d.in_use)
+        return self._in_use_bytes
 
     @property
     def in_use_buffers(self) -> int:
-        return sum(1 for d in self._all if d.in_use)
+        return self._in_use_buffers
 
     def user_usage(self, uid: int) -> UserUsage:
         return UserUsage(uid, self._user_bytes.get(uid, 0), self._user_buffers.get(uid, 0))
@@ -496,9 +535,13 @@ class DmbPool:
         return n
 
     def close(self) -> None:
-        """Close all cached buffers; buffers still in use are closed when released."""
+        """Close every memfd the pool holds, cached or in use (the daemon is going away: the
+        applications keep their own duplicates and mappings, so their channels go on). No
+        buffer can be registered afterwards; releasing one that was in use stays harmless."""
         self._closed = True
         self.trim()
+        for dmb in list(self._all):
+            self._destroy(dmb)
 
     def _check_open(self) -> None:
         if self._closed:

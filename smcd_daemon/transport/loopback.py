@@ -25,6 +25,7 @@ this daemon claimed it before it trusts an Accept (:meth:`PairingTable.claimed`)
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import secrets
 import time
@@ -73,7 +74,10 @@ def endpoint(addr: Any) -> Endpoint:
     """Normalise a ``getsockname()``/``getpeername()`` result (AF_INET ``(host, port)`` or AF_INET6
     ``(host, port, flowinfo, scope_id)``) so that both halves spell one address the same way: an
     IPv4-mapped IPv6 address becomes IPv4 (a v6 client of a v4 listener), the flow label is
-    dropped, a scope id is kept (link-local addresses are per interface)."""
+    dropped, a scope id is kept (link-local addresses are per interface).
+
+    Results are cached: every handoff normalises the same few addresses several times, and
+    parsing an address with :mod:`ipaddress` costs more than the rest of the lookup."""
     if (
         isinstance(addr, tuple)
         and len(addr) == 3
@@ -82,6 +86,16 @@ def endpoint(addr: Any) -> Endpoint:
         return addr  # already normalised
     if not isinstance(addr, tuple) or len(addr) not in (2, 4):
         raise PairingError(f"not a socket address: {addr!r}")
+    if not isinstance(addr[1], int):  # before the cache, where 80.0 would equal 80
+        raise PairingError(f"not a port: {addr[1]!r}")
+    try:
+        return _normalise(addr)
+    except TypeError:  # an unhashable part: not a socket address either way
+        raise PairingError(f"not a socket address: {addr!r}") from None
+
+
+@functools.lru_cache(maxsize=8192)
+def _normalise(addr: tuple[Any, ...]) -> Endpoint:
     host, port = addr[0], addr[1]
     scope = addr[3] if len(addr) == 4 else 0
     if isinstance(host, str):

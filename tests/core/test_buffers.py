@@ -8,10 +8,13 @@ import os
 
 import pytest
 
+from smc_handoff import _ring
 from smcd_daemon.config import Config
 from smcd_daemon.core.buffers import (
+    CTRL_LEN,
     SMC_BUF_MIN,
     DmbLimitError,
+    DmbMemoryError,
     DmbPool,
     UnknownTokenError,
     compress_size,
@@ -63,17 +66,22 @@ def test_register_gives_a_sealed_memfd_of_the_class_size() -> None:
     dmb = pool.register(1000, 40 * KIB)
     try:
         assert dmb.size == 64 * KIB and dmb.size_comp == 2
-        assert os.fstat(dmb.fd).st_size == 64 * KIB
+        # the DMB and the channel's control trailer, exactly what smc_handoff maps
+        assert CTRL_LEN == _ring.CTRL_LEN == 128
+        assert os.fstat(dmb.fd).st_size == dmb.file_size == 64 * KIB + CTRL_LEN
         assert dmb.ring_size == 64 * KIB - 32
         with pytest.raises(OSError) as info:
             os.ftruncate(dmb.fd, 4096)  # F_SEAL_SHRINK
         assert info.value.errno == errno.EPERM
         with pytest.raises(OSError):
             os.ftruncate(dmb.fd, 128 * KIB)  # F_SEAL_GROW
-        # both ends map it read-write
-        with mmap.mmap(dmb.fd, dmb.size) as m:
+        # both ends map it read-write, as the channel does (header, ring and trailer)
+        with _ring.map_dmb(dmb.fd, dmb.size) as m:
             m[:5] = b"hello"
+            m[dmb.size + CTRL_LEN - 1] = 0x5A  # the last trailer byte
         assert _read(dmb.fd, 5) == b"hello"
+        with mmap.mmap(dmb.fd, dmb.size):
+            pass  # a mapping of the DMB proper only is fine too
     finally:
         pool.unregister(dmb.token)
         pool.close()
@@ -85,6 +93,7 @@ def test_sizes_are_clamped_to_the_configured_range() -> None:
     big = pool.register(1, 4 << 20)
     assert small.size == 32 * KIB
     assert big.size == 256 * KIB
+    pool.close()
     with pytest.raises(ValueError):
         DmbPool(min_size=20 * KIB)
 
@@ -97,10 +106,50 @@ def test_tokens_are_unique_nonzero_and_retry_on_collision() -> None:
     c = pool.register(1, SMC_BUF_MIN)
     assert (a.token, b.token, c.token) == (7, 9, 11)  # 0 skipped, collisions redrawn, 64 bits
 
+    pool.close()
+
     pool = DmbPool(user_max_buffers=0, pool_max_buffers=2000, pool_max_bytes=64 << 20)
     tokens = {pool.register(1, SMC_BUF_MIN).token for _ in range(1000)}
     assert len(tokens) == 1000 and 0 not in tokens
     assert all(0 < t < 1 << 64 for t in tokens)
+    pool.close()
+
+
+def test_close_closes_every_memfd_and_late_releases_are_harmless() -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    pool = DmbPool(user_max_buffers=0)
+    held = [pool.register(1, SMC_BUF_MIN) for _ in range(50)]
+    pool.attach(held[0].token, 2)
+    freed = pool.register(1, SMC_BUF_MIN)
+    pool.unregister(freed.token)  # cached
+    assert len(os.listdir("/proc/self/fd")) == before + 51
+    pool.close()
+    assert len(os.listdir("/proc/self/fd")) == before  # in use or cached: all closed
+    stats = pool.stats()
+    assert (stats.allocated_buffers, stats.allocated_bytes) == (0, 0)
+    pool.detach(held[0].token)  # the daemon's halves let go after the pool closed
+    for dmb in held:
+        pool.unregister(dmb.token)
+    assert pool.in_use_buffers == pool.in_use_bytes == 0
+    with pytest.raises(DmbMemoryError):
+        pool.register(1, SMC_BUF_MIN)
+
+
+def test_running_totals_match_the_buffers() -> None:
+    pool = DmbPool(user_max_buffers=0, user_max_bytes=0)
+    live = []
+    for i in range(40):
+        live.append(pool.register(i % 3, SMC_BUF_MIN << (i % 4)))
+        if i % 5 == 4:
+            pool.unregister(live.pop(0).token)
+    for dmb in live[::2]:
+        pool.attach(dmb.token, 99)
+        pool.unregister(dmb.token)
+    stats = pool.stats()
+    assert stats.in_use_bytes == sum(c.size * c.in_use for c in stats.classes)
+    assert stats.in_use_buffers == sum(c.in_use for c in stats.classes)
+    assert stats.allocated_bytes == sum(c.size * c.allocated for c in stats.classes)
+    assert stats.in_use_buffers == len(live)  # the attached ones are still referenced
     pool.close()
 
 
@@ -137,12 +186,14 @@ def test_same_user_reuse_gets_the_same_memfd_zeroed() -> None:
     pool = DmbPool()
     first = pool.register(1000, 64 * KIB)
     inode, fd, token = first.inode, first.fd, first.token
-    os.pwrite(fd, b"\xab" * first.size, 0)
+    os.pwrite(fd, b"\xab" * first.file_size, 0)  # data, header and wakeup words
     pool.unregister(token)
+    # zeroed as it came back (off the next handshake), its pages given back meanwhile
+    assert pool.stats().zeroings == 1 and _read(fd, first.file_size) == bytes(first.file_size)
     again = pool.register(1000, 64 * KIB)
     assert again.inode == inode and again.fd == fd  # reused, not recreated
     assert again.token != token  # a fresh token for the new connection
-    assert _read(again.fd, again.size) == bytes(again.size)
+    assert _read(again.fd, again.file_size) == bytes(again.file_size)  # trailer zeroed too
     stats = pool.stats()
     assert (stats.reuses, stats.zeroings, stats.fresh_memfds) == (1, 1, 1)
     assert pool.last_zero_seconds < 0.05

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import shutil
 import subprocess
@@ -113,6 +114,22 @@ for line in sys.stdin:
         elif op == "close":
             sock.close()
             out(ok=True)
+        elif op == "dmbs":
+            # The DMBs this process maps (the channel maps both of its connection): inode and
+            # how many bytes of the ring (after the 32-byte CDC header) are not zero, read
+            # straight from the mapping.
+            import ctypes
+            dmbs = []
+            for ln in open("/proc/self/maps"):
+                if "/memfd:smcd-dmb" not in ln:
+                    continue
+                span, _, _, _, inode = ln.split()[:5]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                size = max(s for s in (16384 << k for k in range(7)) if s + 128 <= hi - lo)
+                ring = ctypes.string_at(lo + 32, size - 32)
+                dmbs.append({"inode": int(inode), "size": size,
+                             "nonzero": len(ring) - ring.count(0)})
+            out(dmbs=dmbs)
         elif op == "exit":
             out(ok=True)
             break
@@ -126,7 +143,7 @@ for line in sys.stdin:
 class App:
     """One application process speaking the JSON command protocol of :data:`APP`."""
 
-    def __init__(self, handoff: Path | str, name: str = "app") -> None:
+    def __init__(self, handoff: Path | str, name: str = "app", user: int | None = None) -> None:
         env = dict(os.environ)
         env["SMCD_HANDOFF_SOCKET"] = os.fspath(handoff)
         env["PYTHONPATH"] = os.fspath(REPO)
@@ -138,6 +155,9 @@ class App:
             stderr=subprocess.PIPE,
             env=env,
             cwd=REPO,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
         )
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None
@@ -249,6 +269,45 @@ class Smcd:
     def log(self) -> str:
         return "" if self.proc is None else self.proc.log()
 
+    def fds(self) -> dict[str, int]:
+        """What the daemon holds, by kind: ``memfd`` (DMBs), ``eventfd``, ``socket``, ``all``;
+        ``inodes`` is not a count but the set of its DMB memfd inodes."""
+        assert self.proc is not None
+        pid = self.proc.proc.pid
+        kinds: dict[str, Any] = {"memfd": 0, "eventfd": 0, "socket": 0, "all": 0, "inodes": set()}
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+                if target.startswith("/memfd:smcd-dmb"):
+                    kinds["inodes"].add(os.stat(f"/proc/{pid}/fd/{name}").st_ino)
+            except FileNotFoundError:
+                continue
+            kinds["all"] += 1
+            if target.startswith("/memfd:smcd-dmb"):
+                kinds["memfd"] += 1
+            elif target == "anon_inode:[eventfd]":
+                kinds["eventfd"] += 1
+            elif target.startswith("socket:"):
+                kinds["socket"] += 1
+        return kinds
+
+    _POOL_LINE = re.compile(
+        r"no SMC connection left; DMB pool: (\d+) buffers in use \((\d+) bytes\), (\d+) cached"
+    )
+
+    def pool_report(self, since: int, timeout: float = 20.0) -> tuple[int, int, int]:
+        """(buffers in use, bytes in use, buffers cached) as the daemon reports its DMB pool
+        once its last SMC connection is gone, from what it logged after ``since`` characters."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self._POOL_LINE.findall(self.log()[since:])
+            if found:
+                in_use, in_use_bytes, cached = map(int, found[-1])
+                return in_use, in_use_bytes, cached
+            if time.monotonic() > deadline:
+                raise AssertionError("the daemon never reported its pool after the last close")
+            time.sleep(0.1)
+
     def smcctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [os.fspath(SMCCTL), *args, "--bus", self.address],
@@ -311,8 +370,8 @@ def apps(smcd: Smcd) -> Iterator[Any]:
     end of the test."""
     made: list[App] = []
 
-    def make(name: str = "app", handoff: Path | str | None = None) -> App:
-        app = App(handoff if handoff is not None else smcd.handoff, name)
+    def make(name: str = "app", handoff: Path | str | None = None, user: int | None = None) -> App:
+        app = App(handoff if handoff is not None else smcd.handoff, name, user)
         made.append(app)
         return app
 
