@@ -11,9 +11,12 @@ by a small control trailer that is not part of the DMB proper::
   *peer* (the sender into this ring), read by the owner (the receiver). Same bytes as
   ``smcd_daemon.wire.cdc.SmcdCdcHeader`` (a test checks it byte for byte).
 * **ctrl trailer** (smcd's own, outside the 32-byte header so the header stays the kernel's):
-  ``WAIT`` (u64 at +0) written only by the owner: ``generation << 8 | want bits``, saying "I am
-  about to sleep on my eventfd, kick me"; ``KICK`` (u64 at +64, its own cache line) written only
-  by the peer: the last generation it kicked. Each word therefore has exactly one writer.
+  one "kick me" request per direction, written only by the owner: ``WAIT`` (u64 at +0) for data,
+  EOF or abort in this ring, ``WAIT_SPACE`` (u64 at +8) for room in the peer's ring, each
+  ``generation << 8 | want bits``; and, on their own cache line, the last generation the peer
+  kicked for each, written only by the peer: ``KICK`` (u64 at +64) and ``KICK_SPACE`` (+72).
+  Each word therefore has exactly one writer, and a reader thread and a writer thread of the
+  same end never share a wakeup.
 
 Why cursor reads cannot tear
 ----------------------------
@@ -81,14 +84,14 @@ __all__ = [
 
 CDC_MSG_TYPE = 0xFE
 CDC_HEADER_LEN = 32
-#: Control trailer after the DMB: WAIT word at +0, KICK word at +64 (separate cache lines).
+#: Control trailer after the DMB: WAIT words at +0/+8, KICK words at +64/+72 (two cache lines).
 CTRL_LEN = 128
 #: SMC-D compressed DMB sizes (``smc_compress_bufsize``: 16 KiB << n, n <= 6 for SMC-D).
 DMB_SIZES = tuple(16384 << n for n in range(7))
 
 # Word indexes in the header viewed as 4 x u64, and in the trailer viewed as 16 x u64.
 W_TYPE, W_PROD, W_CONS = 0, 1, 2
-C_WAIT, C_KICK = 0, 8
+C_WAIT, C_WAIT_SPACE, C_KICK, C_KICK_SPACE = 0, 1, 8, 9
 
 # Bit positions of the fields inside the two cursor words, for this host's byte order. The
 # count (bytes 2..5 of the word) lands on bits 16..47 in both byte orders.

@@ -12,10 +12,14 @@ So, as with loopback-ism, a byte is copied exactly twice (application buffer →
 peer's application buffer) and each header word has exactly one writer. The layout, the atomic
 cursor words and the memory-ordering argument live in :mod:`smc_handoff._ring`.
 
-Wakeups: a waiter first spins (adaptive budget, no syscalls); only then does it publish "kick
-me" in its DMB's control trailer, fence, look once more, and sleep in ``poll`` on its RX eventfd
-and the peer link. A publisher kicks the peer's eventfd only when it sees such a request for a
-generation it has not kicked yet, so a busy stream makes no syscalls at all.
+Wakeups: a waiter first spins briefly (adaptive budget; pure loads, with a ``sched_yield`` every
+few microseconds so that a peer queued on the same CPU runs at once, and no spinning for a while
+once a yield shows that another task holds this CPU); only then does it publish "kick me" in its
+DMB's control trailer, fence, look once more, and sleep in ``poll`` on the peer link or its RX
+eventfd. A publisher kicks only when it sees such a request for a generation it has not kicked
+yet, so a busy stream makes no syscalls at all. Data waits and space waits have their own
+request words and never sleep on the same descriptor, so one reader thread and one writer
+thread can share a channel.
 
 Close (RFC 7609 §4, Linux ``smc_close.c``): :meth:`Channel.shutdown_write` sets
 ``peer_done_writing`` after all data is published (the peer reads EOF after draining);
@@ -42,7 +46,9 @@ from typing import Any
 from smc_handoff import _ring
 from smc_handoff._ring import (
     C_KICK,
+    C_KICK_SPACE,
     C_WAIT,
+    C_WAIT_SPACE,
     CDC_HEADER_LEN,
     COUNT_SHIFT,
     CSFLAGS_SHIFT,
@@ -78,10 +84,9 @@ PEER_CONN_ABORT = 0x20
 _ANY_CLOSE = PEER_DONE_WRITING | PEER_CONN_CLOSED | PEER_CONN_ABORT
 
 # "Kick me" bits in the WAIT word of the control trailer.
-WANT_DATA = 0x1  # data, EOF or abort in my RX DMB
-WANT_SPACE = 0x2  # the peer consumed from my TX ring
+WANT_DATA = 0x1  # data, EOF or abort in my RX DMB (in the WAIT word)
+WANT_SPACE = 0x2  # the peer consumed from my TX ring (in the WAIT_SPACE word)
 WANT_LINK = 0x4  # kick me through the peer link, not the eventfd (see _kick)
-_WANT_ANY = WANT_DATA | WANT_SPACE
 
 _CURSOR_MASK = 0xFFFF << WRAP_SHIFT | 0xFFFFFFFF << COUNT_SHIFT
 
@@ -89,6 +94,16 @@ _CURSOR_MASK = 0xFFFF << WRAP_SHIFT | 0xFFFFFFFF << COUNT_SHIFT
 SPIN_MAX_NS = 200_000
 SPIN_MIN_NS = 2_000
 SPIN_START_NS = 50_000
+#: While spinning, yield the CPU this often: a peer queued on our CPU then runs at once.
+SPIN_YIELD_NS = 3_000
+#: A yield that kept us off the CPU this long means another task competes for it: then waits
+#: sleep at once (a sleeper's wakeup preempts a CPU hog; a spinner's yield may hand it a whole
+#: time slice) for a back-off that doubles while the contention lasts.
+SPIN_CONTENDED_NS = 60_000
+SPIN_BACKOFF_MIN_NS = 20_000_000
+SPIN_BACKOFF_MAX_NS = 1_000_000_000
+#: Copies larger than this are published piece by piece (see send_into/recv_into).
+_PIECE = 64 << 10
 #: Longest single nap after the first (the peer link and the eventfd wake us before that).
 _SLEEP_CAP_S = 1.0
 
@@ -235,13 +250,18 @@ class Channel:
 
         # Receive side: total bytes consumed, and the prod word that means "nothing new".
         self._rx_cons = 0
+        self._rx_pos = 0
+        self._rx_wrap = 0
         self._rx_empty_word = 0
+        self._n_empty = 0
         # A writer sleeping for space is kicked only once at most this much is left unread
         # (as TCP wakes writers only when a third of the buffer is free): one wakeup per half
         # ring instead of one per read.
         self._rx_wake_fill = self._rx_len // 2
         # Send side: total bytes produced, and the peer cons word that means "ring full".
         self._tx_prod = 0
+        self._tx_pos = 0
+        self._tx_wrap = 0
         self._tx_full_word = self._full_word(0)
         # Our flags, published with our consumer cursor in the peer's header (word 2).
         self._pflags = 0
@@ -249,14 +269,16 @@ class Channel:
         self._flag_bits = 0
         self._wr_shut = False
 
-        # Wakeup state: our WAIT generation/bits, what we drained, what we kicked at the peer.
-        self._gen = 0
-        self._armed = 0
-        self._drained_upto = 0
-        self._self_kicked = False
-        self._kicked = 0
+        # Wakeup state: one waiter per direction (our WAIT words), the generations we last
+        # kicked at the peer's two WAIT words, which descriptor a sleeping wait holds.
+        self._wd = _Waiter(WANT_DATA, C_WAIT, C_KICK)
+        self._ws = _Waiter(WANT_SPACE, C_WAIT_SPACE, C_KICK_SPACE)
+        self._kicked_d = 0  # written by the sending thread only
+        self._kicked_s = 0  # written by the receiving thread only
         self._level = False
-        self._spin_ns = SPIN_START_NS
+        self._sleep_lock = threading.Lock()
+        self._link_sleeper = False
+        self._efd_sleeper = False
 
         # Failure state.
         self._link_dead = False
@@ -265,13 +287,20 @@ class Channel:
         self._violation: str | None = None
         self._dead = False  # any of the three above: every data operation resets
 
-        self._poller = select.poll()
-        self._poller.register(rx_eventfd, select.POLLIN)
-        self._poller.register(peer_link_fd, select.POLLIN)
-        self._efd_poller = select.poll()
-        self._efd_poller.register(rx_eventfd, select.POLLIN)
+        # One poll object per descriptor a sleeper can hold (a poll object must not be used by
+        # two threads at once): the link for kicks (and hang-up), or the eventfd plus the link
+        # for hang-ups only (event mask 0: kick bytes for the other sleeper do not wake us).
         self._link_poller = select.poll()
         self._link_poller.register(peer_link_fd, select.POLLIN)
+        self._efd_poller = select.poll()
+        self._efd_poller.register(rx_eventfd, select.POLLIN)
+        self._efd_poller.register(peer_link_fd, 0)
+        self._hup_poller = select.poll()  # _check_link, under _hup_lock
+        self._hup_poller.register(peer_link_fd, 0)
+        self._hup_lock = threading.Lock()
+        self._level_poller = select.poll()  # _level_sync, under _level_lock
+        self._level_poller.register(rx_eventfd, select.POLLIN)
+        self._level_lock = threading.Lock()
 
         self._n_kicks = 0
         self._n_sleeps = 0
@@ -314,16 +343,14 @@ class Channel:
         if peer >> CSFLAGS_SHIFT & (PEER_CONN_ABORT | PEER_CONN_CLOSED) or self._dead:
             self._raise_reset()
         mv = data if type(data) is memoryview else memoryview(data)
-        if mv.format != "B" or mv.ndim != 1:
+        if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
         size = len(mv)
         L = self._tx_len
-        prod = self._tx_prod
-        pwrap, pcount = divmod(prod, L)
+        pos = self._tx_pos
+        wrap = self._tx_wrap
         inflight = (
-            ((pwrap - (peer >> WRAP_SHIFT)) & 0xFFFF) * L
-            + pcount
-            - (peer >> COUNT_SHIFT & 0xFFFFFFFF)
+            ((wrap - (peer >> WRAP_SHIFT)) & 0xFFFF) * L + pos - (peer >> COUNT_SHIFT & 0xFFFFFFFF)
         )
         space = L - inflight
         if space <= 0 or size == 0:
@@ -333,22 +360,42 @@ class Channel:
                 self._set_pflags(self._pflags | WRITE_BLOCKED)
             return 0
         n = size if size < space else space
-        end = pcount + n
         ring = self._tx_ring
-        if end <= L:
-            ring[pcount:end] = mv[:n]
+        hdr = self._tx_hdr
+        if n <= _PIECE and pos + n < L:  # the common case: one copy, no wrap
+            ring[pos : pos + n] = mv if n == size else mv[:n]
+            pos += n
+            hdr[W_PROD] = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
+            wait = self._tx_ctrl[C_WAIT]  # the peer's "kick me" for data
+            if wait & WANT_DATA and wait >> 8 != self._kicked_d:
+                self._kick_data(wait)
         else:
-            first = L - pcount
-            ring[pcount:L] = mv[:first]
-            ring[: n - first] = mv[first:n]
-        prod += n
-        self._tx_prod = prod
-        pwrap, pcount = divmod(prod, L)
-        self._tx_hdr[W_PROD] = (pwrap & 0xFFFF) << WRAP_SHIFT | pcount << COUNT_SHIFT
-        self._tx_full_word = ((pwrap - 1) & 0xFFFF) << WRAP_SHIFT | pcount << COUNT_SHIFT
-        wait = self._tx_ctrl[C_WAIT]  # the peer's "kick me"
-        if wait & WANT_DATA and wait >> 8 != self._kicked:
-            self._kick(wait >> 8, wait)
+            # Publish piece by piece: the reader copies out the first piece while we copy in
+            # the next, instead of waiting for the whole write.
+            done = 0
+            while done < n:
+                k = n - done
+                if k > _PIECE:
+                    k = _PIECE
+                if k > L - pos:
+                    k = L - pos
+                ring[pos : pos + k] = mv[done : done + k]
+                done += k
+                pos += k
+                if pos == L:
+                    pos = 0
+                    wrap = (wrap + 1) & 0xFFFF
+                hdr[W_PROD] = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
+                # After the first piece (wake a sleeping reader early) and after the last (the
+                # wakeup rule: look for a request after the final cursor store, see _ring).
+                if done in (k, n):
+                    wait = self._tx_ctrl[C_WAIT]
+                    if wait & WANT_DATA and wait >> 8 != self._kicked_d:
+                        self._kick_data(wait)
+            self._tx_wrap = wrap
+        self._tx_pos = pos
+        self._tx_prod += n
+        self._tx_full_word = ((wrap - 1) & 0xFFFF) << WRAP_SHIFT | pos << COUNT_SHIFT
         if self._pflags & WRITE_BLOCKED:
             self._set_pflags(self._pflags & ~WRITE_BLOCKED)
         return n
@@ -360,7 +407,7 @@ class Channel:
 
     def wait_writable(self, timeout: float | None = None) -> bool:
         """Wait until the peer's ring has room, or an error is pending. False on timeout."""
-        return self._wait(WANT_SPACE, timeout)
+        return self._wait(self._ws, timeout)
 
     def shutdown_write(self) -> None:
         """SHUT_WR: after everything sent so far, the peer reads EOF (``peer_done_writing``)."""
@@ -384,55 +431,118 @@ class Channel:
             self._raise_reset()
         prod = hdr[W_PROD]
         L = self._rx_len
-        cons = self._rx_cons
-        cwrap, ccount = divmod(cons, L)
+        pos = self._rx_pos
+        wrap = self._rx_wrap
         avail = (
-            (((prod >> WRAP_SHIFT) - cwrap) & 0xFFFF) * L
-            + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
-            - ccount
+            (((prod >> WRAP_SHIFT) - wrap) & 0xFFFF) * L + (prod >> COUNT_SHIFT & 0xFFFFFFFF) - pos
         )
         if avail <= 0:
             if avail < 0:
                 self._protocol_violation(f"peer producer cursor is {-avail} bytes behind")
             if flags & (PEER_DONE_WRITING | PEER_CONN_CLOSED):
                 return 0  # EOF: the flags were read first, so that cursor was the last one
-            if self._check_link():
-                self._raise_reset()
+            # Is the peer gone? A poll syscall: every time in level mode (a select loop relies
+            # on it), else every 64th empty read (blocking waits poll the link themselves).
+            self._n_empty += 1
+            if (self._level or not self._n_empty & 63) and self._check_link():
+                if self._dead:  # the peer died without closing
+                    self._raise_reset()
+                # The peer closed after we read its flags: it stores its final cursor and flags
+                # before it closes the link, so looking again sees them (and any last data).
+                return self.recv_into(buffer, nbytes)
             if self._level:
                 self._level_sync()
             return 0
         if avail > L:
             self._protocol_violation(f"peer claims {avail} bytes in a {L}-byte ring")
         mv = buffer if type(buffer) is memoryview else memoryview(buffer)
-        if mv.format != "B" or mv.ndim != 1:
+        if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
         n = len(mv)
         if 0 < nbytes < n:
             n = nbytes
         if n > avail:
             n = avail
-        end = ccount + n
         ring = self._rx_ring
-        if end <= L:
-            mv[:n] = ring[ccount:end]
+        txh = self._tx_hdr
+        fb = self._flag_bits
+        if n <= _PIECE and pos + n < L:  # the common case: one copy, no wrap
+            mv[:n] = ring[pos : pos + n]
+            pos += n
+            word = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
+            self._rx_empty_word = word
+            txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
         else:
-            first = L - ccount
-            mv[:first] = ring[ccount:L]
-            mv[first:n] = ring[: n - first]
-        cons += n
-        self._rx_cons = cons
-        cwrap, ccount = divmod(cons, L)
-        word = (cwrap & 0xFFFF) << WRAP_SHIFT | ccount << COUNT_SHIFT
-        self._rx_empty_word = word
-        self._tx_hdr[W_CONS] = word | self._flag_bits  # our consumer cursor → peer's header
-        wait = self._tx_ctrl[C_WAIT]
-        if wait & WANT_SPACE and wait >> 8 != self._kicked and avail - n <= self._rx_wake_fill:
-            self._kick(
-                wait >> 8, wait
-            )  # hysteresis: wake a blocked writer once half the ring is free
+            # Publish piece by piece: the writer refills behind us while we copy on.
+            done = 0
+            word = 0
+            while done < n:
+                k = n - done
+                if k > _PIECE:
+                    k = _PIECE
+                if k > L - pos:
+                    k = L - pos
+                mv[done : done + k] = ring[pos : pos + k]
+                done += k
+                pos += k
+                if pos == L:
+                    pos = 0
+                    wrap = (wrap + 1) & 0xFFFF
+                word = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
+                self._rx_empty_word = word
+                txh[W_CONS] = word | fb
+            self._rx_wrap = wrap
+        if self._flag_bits != fb:  # a writer thread published flags meanwhile: keep both
+            txh[W_CONS] = self._rx_empty_word | self._flag_bits
+        self._rx_pos = pos
+        self._rx_cons += n
+        wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
+        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
+            self._kick_space(wait)  # hysteresis: wake a blocked writer once half the ring is free
         if self._level and n == avail:
             self._level_sync()
         return n
+
+    def recv_bytes(self, bufsize: int) -> bytes:
+        """Up to ``bufsize`` received bytes as a new ``bytes`` object, copied once, straight
+        out of the ring (what ``socket.recv`` returns, without a zeroed scratch buffer and a
+        second copy). ``b""`` and errors as :meth:`recv_into` (stops at the ring's end)."""
+        if self._closed:
+            self._check_open()
+        hdr = self._rx_hdr
+        flags = hdr[W_CONS] >> CSFLAGS_SHIFT
+        prod = hdr[W_PROD]
+        L = self._rx_len
+        pos = self._rx_pos
+        wrap = self._rx_wrap
+        avail = (
+            (((prod >> WRAP_SHIFT) - wrap) & 0xFFFF) * L + (prod >> COUNT_SHIFT & 0xFFFFFFFF) - pos
+        )
+        if avail <= 0 or avail > L or bufsize <= 0 or flags & PEER_CONN_ABORT or self._dead:
+            scratch = bytearray(1 if bufsize > 0 else 0)  # every unusual case: recv_into's
+            return bytes(scratch[: self.recv_into(scratch)])
+        n = min(bufsize, avail, L - pos)
+        data = bytes(self._rx_ring[pos : pos + n])
+        pos += n
+        if pos == L:
+            pos = 0
+            wrap = (wrap + 1) & 0xFFFF
+            self._rx_wrap = wrap
+        word = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
+        self._rx_empty_word = word
+        fb = self._flag_bits
+        txh = self._tx_hdr
+        txh[W_CONS] = word | fb
+        if self._flag_bits != fb:
+            txh[W_CONS] = word | self._flag_bits
+        self._rx_pos = pos
+        self._rx_cons += n
+        wait = self._tx_ctrl[C_WAIT_SPACE]
+        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
+            self._kick_space(wait)
+        if self._level and n == avail:
+            self._level_sync()
+        return data
 
     def readable(self) -> bool:
         """True when :meth:`recv_into` would return data or EOF, or raise (no blocking)."""
@@ -441,7 +551,7 @@ class Channel:
 
     def wait_readable(self, timeout: float | None = None) -> bool:
         """Wait for data, EOF or an abort. False on timeout."""
-        return self._wait(WANT_DATA, timeout)
+        return self._wait(self._wd, timeout)
 
     @property
     def eof(self) -> bool:
@@ -583,7 +693,8 @@ class Channel:
             "sleeps": self._n_sleeps,
             "spin_hits": self._n_spin_hits,
             "missed_wakeups": self._n_missed,
-            "spin_budget_ns": self._spin_ns,
+            "spin_budget_ns": self._wd.spin_ns,
+            "spin_budget_space_ns": self._ws.spin_ns,
         }
 
     # ------------------------------------------------------------------------- internals
@@ -607,39 +718,28 @@ class Channel:
             or self._peer_died
         )
 
-    def _wait(self, want: int, timeout: float | None) -> bool:
+    def _wait(self, w: _Waiter, timeout: float | None) -> bool:
         self._check_open()
-        ready: Callable[[], bool] = self._rx_ready if want == WANT_DATA else self._tx_ready
+        ready: Callable[[], bool] = self._rx_ready if w is self._wd else self._tx_ready
         if ready():
             return True
         if timeout is not None and timeout <= 0:
             return self._check_link()
         deadline = None if timeout is None else time.monotonic() + timeout
-        # 1. Spin: pure loads, no syscalls; the budget adapts to how often this pays off, and
-        #    there is no spinning at all while the CPUs are oversubscribed (the peer may be
-        #    waiting for the very CPU we would burn).
-        clock = time.perf_counter_ns
-        now = clock()
-        if _spin_allowed(now):
-            budget = self._spin_ns
-            end = now + budget
-            if timeout is not None:
-                end = min(end, now + int(timeout * 1e9))
-            while True:
-                if ready() or ready() or ready() or ready():
-                    self._n_spin_hits += 1
-                    self._spin_ns = min(SPIN_MAX_NS, budget + (budget >> 1) + 1000)
-                    return True
-                if clock() >= end:
-                    break
-            self._spin_ns = max(SPIN_MIN_NS, budget >> 1)
-        # 2. Sleep: ask for a kick, fence, look again, then poll the eventfd and the link.
+        # 1. Spin: loads and yields only (see _spin).
+        if _spin(w, ready, timeout):
+            self._n_spin_hits += 1
+            return True
+        # 2. Sleep: take a descriptor no other sleeper of this channel holds, ask for a kick
+        #    on it, fence, look again, then poll it (and the link for a hang-up).
         self._n_sleeps += 1
+        on_link = self._take_fd(w)
+        poller = self._link_poller if on_link else self._efd_poller
         try:
             woken = False
             while True:
-                fresh = self._arm(want, woken)
-                self._drain()  # before looking: a kick after the look stays in the eventfd
+                fresh = self._arm(w, on_link, woken)
+                self._drain(on_link)  # before looking: a kick after the look stays readable
                 if ready():
                     return True
                 nap = _ring.SAFETY_NET_S if fresh else _SLEEP_CAP_S
@@ -647,77 +747,93 @@ class Channel:
                     nap = min(nap, deadline - time.monotonic())
                     if nap <= 0:
                         return False
-                events = self._poller.poll(max(1, int(nap * 1000 + 0.999)))
+                events = poller.poll(max(1, int(nap * 1000 + 0.999)))
                 if not events:
                     if ready():
                         # Published just as the nap ended, or a lost wakeup? A publisher kicks
                         # right after publishing, so a kick that never comes means lost.
-                        if not self._efd_poller.poll(20):
+                        if not self._closed and not poller.poll(20):
                             self._n_missed += 1  # the safety net caught a lost wakeup
                         return True
                     continue
                 woken = True
-                for fd, _ev in events:
-                    if fd == self._link_fd:
+                for _fd, ev in events:
+                    if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         self._check_link()
                 if ready():
                     return True
         finally:
-            self._disarm()
-            if self._level and not self._closed:
+            self._disarm(w)
+            self._release_fd(on_link)
+            if self._level and w is self._wd and not self._closed:
                 self._level_sync()
 
-    def _arm(self, bits: int, fresh: bool = False) -> bool:
-        """Publish "kick me for ``bits``" and fence (see ``_ring``: the Dekker race). True when
-        a new WAIT was published (so the first nap must be short)."""
-        if not self._level:
-            bits |= WANT_LINK  # a sleeping wait polls the link too: take the faster kick
+    def _take_fd(self, w: _Waiter) -> bool:
+        """Choose what a sleeping wait polls; True for the peer link, False for the eventfd.
+        The link is preferred (see :meth:`_kick`); level mode keeps the eventfd for data (it is
+        ``fileno()``) and the link for space. Two sleepers (a reader and a writer thread) never
+        share one descriptor, so neither can drain the other's kick."""
+        with self._sleep_lock:
+            on_link = w is self._ws if self._level else not self._link_sleeper
+            if on_link:
+                self._link_sleeper = True
+            else:
+                self._efd_sleeper = True
+            return on_link
+
+    def _release_fd(self, on_link: bool) -> None:
+        with self._sleep_lock:
+            if on_link:
+                self._link_sleeper = False
+            else:
+                self._efd_sleeper = False
+
+    def _arm(self, w: _Waiter, on_link: bool, fresh: bool = False) -> bool:
+        """Publish "kick me for ``w``'s condition on this descriptor" and fence (see ``_ring``:
+        the Dekker race). True when a new request was published (the first nap is short)."""
+        bits = w.want | WANT_LINK if on_link else w.want
         # Reuse the current generation only when no kick can have been seen for it: KICK is
         # stored after the kick itself, so after any wakeup it may still read "not kicked".
-        if not fresh and self._armed & bits == bits and self._rx_ctrl[C_KICK] != self._gen:
+        if not fresh and w.armed == bits and self._rx_ctrl[w.kick_idx] != w.gen:
             return False
-        self._gen += 1
-        self._armed = self._armed & ~WANT_LINK | bits
-        self._rx_ctrl[C_WAIT] = self._gen << 8 | self._armed
+        w.gen += 1
+        w.armed = bits
+        self._rx_ctrl[w.wait_idx] = w.gen << 8 | bits
         _ring.fence()
         return True
 
-    def _disarm(self) -> None:
-        keep = WANT_DATA if self._level else 0
-        if self._armed != keep and not self._closed:
-            self._armed = keep
-            self._rx_ctrl[C_WAIT] = self._gen << 8 | keep
+    def _disarm(self, w: _Waiter) -> None:
+        keep = WANT_DATA if self._level and w is self._wd else 0
+        if w.armed != keep and not self._closed:
+            w.armed = keep
+            self._rx_ctrl[w.wait_idx] = w.gen << 8 | keep
 
-    def _drain(self) -> None:
-        """Empty our eventfd if anything may have been written to it since the last drain."""
-        kicked = self._rx_ctrl[C_KICK]  # read before the eventfd: the peer writes it after
-        # Level mode always looks: a kick whose KICK store is still on its way must not leave
-        # the fd readable with nothing pending.
-        if self._self_kicked or kicked > self._drained_upto or self._level:
-            if self._level or self._self_kicked:  # otherwise the peer kicks via the link
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._rx_efd)
+    def _drain(self, on_link: bool) -> None:
+        """Empty the descriptor this sleeper holds (kicks are level: a stale one only costs a
+        spurious wakeup, and each sleep pays a poll anyway)."""
+        if on_link:
             if not self._link_dead:
                 try:
                     while self._link.recv(64, socket.MSG_DONTWAIT):
                         pass
                 except OSError:  # drained (EAGAIN), or the peer is gone: _check_link decides
                     pass
-            self._drained_upto = kicked
-            self._self_kicked = False
+        else:
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._rx_efd)
 
     def _level_sync(self) -> None:
         """Make the eventfd's readability match "data, EOF or abort pending" (level mode)."""
-        if not self._rx_ready():
-            self._arm(WANT_DATA, fresh=True)
-            self._drain()
+        with self._level_lock:
             if not self._rx_ready():
-                return
-        if not self._efd_poller.poll(0):  # look, do not infer: a drain may have raced a kick
-            os.eventfd_write(self._rx_efd, 1)
-            self._self_kicked = True
+                self._arm(self._wd, False, fresh=True)
+                self._drain(False)
+                if not self._rx_ready():
+                    return
+            if not self._level_poller.poll(0):  # look, do not infer: a drain may race a kick
+                os.eventfd_write(self._rx_efd, 1)
 
-    def _kick(self, gen: int, wait: int) -> None:
+    def _kick(self, wait: int, kick_idx: int) -> bool:
         """Wake the peer. A sleeping wait asks for the kick on the link: a Unix-socket send
         wakes the sleeper as a *sync* wakeup (the scheduler may run it on our CPU right away),
         where an eventfd write leaves it queued behind whatever runs on its own CPU — which
@@ -730,15 +846,27 @@ class Channel:
         except BlockingIOError:
             pass  # the peer's link queue is full of kicks it has not drained yet
         except OSError:
-            return
-        self._tx_ctrl[C_KICK] = gen  # after the write: the peer drains only what it saw
-        self._kicked = gen
+            return False
+        self._tx_ctrl[kick_idx] = wait >> 8  # after the write: the peer drains what it saw
         self._n_kicks += 1
+        return True
+
+    def _kick_data(self, wait: int) -> None:
+        if self._kick(wait, C_KICK):
+            self._kicked_d = wait >> 8
+
+    def _kick_space(self, wait: int) -> None:
+        if self._kick(wait, C_KICK_SPACE):
+            self._kicked_s = wait >> 8
 
     def _kick_if_waiting(self) -> None:
-        wait = self._tx_ctrl[C_WAIT]
-        if wait & _WANT_ANY and wait >> 8 != self._kicked:
-            self._kick(wait >> 8, wait)
+        ctrl = self._tx_ctrl
+        wait = ctrl[C_WAIT]
+        if wait & WANT_DATA and wait >> 8 != self._kicked_d:
+            self._kick_data(wait)
+        wait = ctrl[C_WAIT_SPACE]
+        if wait & WANT_SPACE and wait >> 8 != self._kicked_s:
+            self._kick_space(wait)
 
     def _set_pflags(self, pflags: int) -> None:
         self._pflags = pflags
@@ -750,25 +878,38 @@ class Channel:
         self._kick_if_waiting()
 
     def _publish_flags(self) -> None:
+        """Store our flags with our consumer cursor (one word). A reader thread may store the
+        cursor at the same time: it re-stores when the flags changed under it, and we re-store
+        until the word holds the newest cursor, so neither update is lost."""
         self._flag_bits = self._pflags << PFLAGS_SHIFT | self._csflags << CSFLAGS_SHIFT
-        self._tx_hdr[W_CONS] = self._rx_empty_word | self._flag_bits
+        hdr = self._tx_hdr
+        while True:
+            word = self._rx_empty_word | self._flag_bits
+            hdr[W_CONS] = word
+            if self._rx_empty_word | self._flag_bits == word:
+                return
 
     def _check_link(self) -> bool:
         """Look (without blocking) whether the peer's end of the link is gone. A gone peer
         that had not closed cleanly has died: that is an abort. True when the link is gone."""
         if self._link_dead:
             return True
-        if self._closed or not self._link_poller.poll(0):
+        if self._closed:
             return False
-        try:
-            if self._link.recv(64):
-                return False  # peers send nothing on the link; ignore stray bytes
-        except BlockingIOError:
+        # Hang-up or error only (event mask 0): the kick bytes queued on the link belong to a
+        # sleeper and must not be read here. The poll object is not shared between threads.
+        if self._hup_lock.acquire(blocking=False):
+            try:
+                gone = self._hup_poller.poll(0)
+            finally:
+                self._hup_lock.release()
+        else:
+            poller = select.poll()
+            poller.register(self._link_fd, 0)
+            gone = poller.poll(0)
+        if not gone:
             return False
-        except OSError:
-            pass
         self._link_dead = True
-        self._poller.unregister(self._link_fd)
         flags = self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT  # stored before the peer's close()
         if not flags & (PEER_CONN_CLOSED | PEER_CONN_ABORT):
             self._peer_died = True
@@ -802,32 +943,71 @@ class Channel:
             raise OSError(errno.EBADF, "SMC-D channel is closed")
 
 
-_NCPU = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-_LOAD_SAMPLE_NS = 2_000_000
-_load_fd = -1
-_load_when = -_LOAD_SAMPLE_NS
-_load_ok = _NCPU > 1
+class _Waiter:
+    """The wait state of one direction of one end: which WAIT/KICK words of the trailer it
+    uses, its request generation and bits, and its adaptive spin budget. One thread at a time
+    waits in each direction."""
+
+    __slots__ = ("armed", "gen", "kick_idx", "spin_ns", "wait_idx", "want")
+
+    def __init__(self, want: int, wait_idx: int, kick_idx: int) -> None:
+        self.want = want
+        self.wait_idx = wait_idx
+        self.kick_idx = kick_idx
+        self.gen = 0
+        self.armed = 0
+        self.spin_ns = SPIN_START_NS
 
 
-def _spin_allowed(now: int) -> bool:
-    """Spinning only pays when the peer has a CPU of its own: never on one CPU, and not while
-    more tasks are runnable than there are CPUs (``/proc/loadavg`` field 4, sampled at most
-    every 2 ms, ~3 µs a sample). With a CPU hog around, waiters then sleep at once and the
-    peer's kick wakes them with the scheduler's wakeup preemption."""
-    global _load_fd, _load_when, _load_ok
-    if _NCPU < 2:
+# Spinning is given up for a while, process-wide, once a yield showed that this CPU is wanted
+# by another task: [monotonic ns until which waits sleep at once, current back-off ns].
+_contended = [0, SPIN_BACKOFF_MIN_NS]
+
+
+def _spin(w: _Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+    """Wait for ``ready()`` without sleeping, for at most ``w.spin_ns``. True when it came.
+
+    Why a spin at all: a ping-pong between two processes on two CPUs turns around in a few
+    microseconds, far less than a sleep and a wakeup cost. Why it cannot starve anyone: every
+    :data:`SPIN_YIELD_NS` it calls ``sched_yield``, so a peer (or anything else) queued on
+    this CPU runs at once instead of after our time slice. And when a yield kept us off the CPU
+    for longer than :data:`SPIN_CONTENDED_NS` with nothing to show for it, a third task wants
+    this CPU: a spinner would then keep handing it whole time slices, where a sleeper's wakeup
+    preempts it, so all waits sleep at once for a back-off (doubling while the contention
+    lasts, up to a second) — with a CPU hog around, the channel then behaves as the sleeping
+    design it falls back to. The budget adapts as busy-poll does: it grows while spinning
+    pays off and halves when it did not."""
+    clock = time.perf_counter_ns
+    now = clock()
+    until, backoff = _contended
+    if now < until:
         return False
-    if now - _load_when < _LOAD_SAMPLE_NS:
-        return _load_ok
-    _load_when = now
-    try:
-        if _load_fd < 0:
-            _load_fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-        running = int(os.pread(_load_fd, 128, 0).split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return True
-    _load_ok = running <= _NCPU
-    return _load_ok
+    budget = w.spin_ns
+    end = now + budget
+    if timeout is not None:
+        end = min(end, now + int(timeout * 1e9))
+    next_yield = now + SPIN_YIELD_NS
+    yield_ = os.sched_yield
+    while True:
+        if ready() or ready() or ready() or ready():
+            w.spin_ns = min(SPIN_MAX_NS, budget + (budget >> 1) + 1000)
+            if now > until + backoff:  # a calm spell as long as the back-off: forget it
+                _contended[1] = SPIN_BACKOFF_MIN_NS
+            return True
+        now = clock()
+        if now >= end:
+            break
+        if now >= next_yield:
+            yield_()
+            after = clock()
+            if after - now > SPIN_CONTENDED_NS and not ready():
+                _contended[0] = after + backoff
+                _contended[1] = min(SPIN_BACKOFF_MAX_NS, backoff * 2)
+                break
+            now = after
+            next_yield = after + SPIN_YIELD_NS
+    w.spin_ns = max(SPIN_MIN_NS, budget >> 1)
+    return False
 
 
 class _LinkWatcher:

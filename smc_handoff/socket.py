@@ -407,6 +407,12 @@ class SmcSocket(_BaseSocket):
             return super().recv(bufsize, flags)
         if bufsize < 0:
             raise ValueError("negative buffersize in recv")
+        smc = self._smc
+        if smc is not None and not flags and not smc.rd_shut:
+            data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out of the ring
+            if data:
+                smc.received += len(data)
+                return data
         size = min(bufsize, self._smc.info.rx_size) if self._smc is not None else bufsize
         buf = bytearray(size)  # one call never returns more than a ring holds
         n = self.recv_into(buf, size, flags)
@@ -463,12 +469,17 @@ class SmcSocket(_BaseSocket):
         view = data if type(data) is memoryview else memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        smc.deadline = None
+        if view.nbytes:  # the fast path: it fits at once
+            n = smc.channel.send_into(view)
+            if n:
+                smc.sent += n
+                if n == view.nbytes:
+                    return None
+                view = view[n:]
+        smc.deadline = self._deadline(flags)  # as CPython: the timeout covers the whole call
         try:
             while view.nbytes:
                 n = self._send_some(smc, view, flags)
-                if smc.deadline is None:  # as CPython: the timeout covers the whole call
-                    smc.deadline = self._deadline(flags) if n < view.nbytes else None
                 view = view[n:]
         finally:
             smc.deadline = None

@@ -322,3 +322,30 @@ def test_stats_shape() -> None:
     assert s["peer_conn_state_flags"] == 0 and not s["eof"] and not s["aborted"]
     a.close()
     b.close()
+
+
+def test_recv_bytes_crosses_the_wrap_and_keeps_semantics() -> None:
+    """``recv_bytes`` (SmcSocket.recv's one-copy path) returns what ``recv_into`` would, in
+    pieces that stop at the ring's end, then ``b""`` for nothing yet and for EOF."""
+    a, b = pair()
+    ring = (16 << 10) - 32
+    rng = random.Random(5)
+    sent = bytearray()
+    got = bytearray()
+    for _ in range(40):  # ~10 laps of the ring
+        chunk = rng.randbytes(rng.randint(1, 9000))
+        view = memoryview(chunk)
+        while view:
+            n = a.send_into(view)
+            sent += view[:n]
+            view = view[n:]
+            while piece := b.recv_bytes(rng.randint(1, 12000)):
+                assert len(piece) <= ring
+                got += piece
+    assert got == sent and b.stats()["rx_cons"][0] > 5
+    assert b.recv_bytes(10) == b"" and not b.eof
+    a.send_into(b"bye")
+    a.close()
+    assert b.recv_bytes(10) == b"bye"
+    assert b.recv_bytes(10) == b"" and b.eof
+    b.close()
