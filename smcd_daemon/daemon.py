@@ -568,6 +568,8 @@ class Daemon:
             self.inventory.set_loopback_enabled(cfg.modes.smcd_loopback)
         if self.handoff is not None:
             self.handoff.configure(cfg)  # quotas, timeouts, modes, peers: for new handshakes
+        if self.service is not None and any(k.startswith("modes.") for k in applied):
+            self.service.set_info(ServiceInfo(capabilities=_capabilities(cfg)))
         if "eid.ueids" in applied:
             self._apply_config_ueids(old.eid.ueids, cfg.eid.ueids)
             try:

@@ -360,8 +360,12 @@ def test_sighup_reload(env: Env, smcd: SmcdProcess) -> None:
         assert 'peers[0] = "192.0.2.7/24"' in log and "host bits" in log
         assert smcd.alive()
         # A valid file: reloadable keys apply, the others are reported as needing a restart.
+        before = json.loads(smcctl(["info", "--json"], bus=env.address).stdout)
         env.config.write_text(
-            env.config_text('[eid]\nueids = ["CFG.UEID"]\n[buffers]\nmin_dmb_size = "32K"\n')
+            env.config_text(
+                '[eid]\nueids = ["CFG.UEID"]\n[buffers]\nmin_dmb_size = "32K"\n'
+                "[modes]\nsmcr_v1 = false\n"
+            )
         )
         env.notify.clear()
         smcd.signal(signal.SIGHUP)
@@ -370,6 +374,9 @@ def test_sighup_reload(env: Env, smcd: SmcdProcess) -> None:
         assert "needs restart for buffers.min_dmb_size" in status, status
         r = smcctl(["ueid", "show"], bus=env.address)
         assert r.stdout.split() == ["CFG.UEID"]
+        # Capabilities on D-Bus follow the modes a reload switched.
+        after = json.loads(smcctl(["info", "--json"], bus=env.address).stdout)
+        assert "SMC-Rv1" in json.dumps(before) and "SMC-Rv1" not in json.dumps(after), after
     finally:
         env.config.write_text(good)
 

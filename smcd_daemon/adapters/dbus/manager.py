@@ -123,6 +123,9 @@ class Manager(RecordInterface):
         self._allowed_uids = allowed_uids
         super().__init__(self.current_values())
 
+    def set_info(self, info: ServiceInfo) -> None:
+        self._info = info
+
     def current_values(self) -> dict[str, Any]:
         return {
             "Version": self._info.version,

@@ -173,6 +173,12 @@ class DbusService:
         self._device_paths.clear()
         self.bus.unexport(ROOT_PATH, self.manager)
 
+    def set_info(self, info: ServiceInfo) -> None:
+        """Replace what GetInfo and the Manager1 properties report (e.g. capabilities after a
+        reload that switched SMC modes); changed properties are signalled."""
+        self.manager.set_info(info)
+        self.manager.update(self.manager.current_values())
+
     def refresh(self) -> None:
         """Re-read the tables (after the daemon changed them itself, e.g. on reload) and emit
         what changed."""
