@@ -1,0 +1,833 @@
+"""SMC-R in the daemon: link groups over RDMA verbs, their RMBs, and the connections on them.
+
+:class:`SmcrTransport` joins three pieces that know nothing of each other:
+
+* the **LLC link-group machine** (:mod:`smcd_daemon.protocol.linkgroup`, sans-IO): one per link
+  group; its outputs (``CreateQp``, ``QpToRtr``, ``SendLlc``, ``MoveConnection``,
+  ``AbortConnections``...) are carried out here, and what the verbs layer reports goes back in
+  (LLC messages, link errors, port events, time);
+* the **verbs transport** (:mod:`smcd_daemon.transport.verbs`): one :class:`VerbsPort` per RoCE
+  port (context, PD, CQ, MR cache), one :class:`VerbsLink` (RC QP) per link;
+* the **buffers** (:mod:`smcd_daemon.core.rmb`) and the **connections**
+  (:mod:`.smcr_conn`), which relay between the application's channel and CDC messages.
+
+It is also the :class:`~smcd_daemon.protocol.negotiate_smcr.SmcrResources` of the CLC
+negotiator: link groups are found for reuse (``link_groups``), created for a first contact (the
+first link's QP exists before the Accept/Confirm names it), and RMBs are handed out registered on
+every link of their link group, with a unique RMBE alert token. A new RMB in an existing link
+group is announced to the peer with CONFIRM RKEY; an RMB freed by a connection stays with its
+link group (registered and confirmed, zeroed before reuse) until the link group goes, as the
+kernel keeps ``lgr->rmbs``.
+
+Sending: each link has 16 send slots (``SMC_WR_BUF_CNT``) shared by its LLC messages and the
+CDC messages of all its connections. Connections with something due queue up per link and are
+served as slots come back (``SendDone``), LLC first.
+
+Link groups without connections are freed after ``linger`` seconds (DELETE LINK ALL, orderly).
+A first contact's link group stays out of reuse until LLC CONFIRM LINK completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from smcd_daemon.core import registry as reg
+from smcd_daemon.core.buffers import compress_size
+from smcd_daemon.core.rmb import BufferKind, RmbPool, SmcrBuffer, buffer_size_for
+from smcd_daemon.errors import SmcError
+from smcd_daemon.protocol.linkgroup import (
+    AbortConnections,
+    AddLinkResult,
+    CreateQp,
+    DestroyQp,
+    FirstContactDone,
+    FirstContactFailed,
+    LgrTypeChanged,
+    LinkGroup,
+    LinkGroupError,
+    LinkGroupTerminated,
+    LinkState,
+    LinkStateChanged,
+    LlcIgnored,
+    LocalPort,
+    MoveConnection,
+    Output,
+    QpToRtr,
+    QpToRts,
+    RmbConfirmed,
+    RmbDeleted,
+    Role,
+    SendLlc,
+)
+from smcd_daemon.protocol.negotiate_smcr import (
+    FirstLink,
+    LinkGroupRequest,
+    LinkGroupView,
+    LinkView,
+    SmcrOutcome,
+)
+from smcd_daemon.transport.smcr_conn import SmcrConnection
+from smcd_daemon.transport.verbs import VerbsError, VerbsLink, VerbsPort
+from smcd_daemon.transport.verbs_model import (
+    CompletionFailed,
+    LinkError,
+    LinkParams,
+    MessageReceived,
+    PortStateChanged,
+    RemoteRing,
+    SendDone,
+    VerbsEvent,
+    WriteDone,
+    mtu_bytes,
+)
+from smcd_daemon.wire import cdc as wire_cdc
+from smcd_daemon.wire.reasons import DeclineReason
+
+__all__ = [
+    "LGR_LINGER",
+    "SmcrGrant",
+    "SmcrTransport",
+    "SmcrTransportError",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an idle link group lives on (the kernel waits 10 minutes; tests configure less).
+LGR_LINGER = 10.0
+#: Slow safety sweep over every connection (lost kicks, see smcr_conn).
+SWEEP_INTERVAL = 0.5
+#: A QP is destroyed this long after the link group let it go (its last sends drain).
+DESTROY_DELAY = 0.5
+
+
+class SmcrTransportError(SmcError):
+    """A link group or RMB request failed; ``decline_reason`` names the CLC decline code."""
+
+    def __init__(self, message: str, decline_reason: int = DeclineReason.INTERR) -> None:
+        super().__init__(message)
+        self.decline_reason = int(decline_reason)
+
+
+@dataclass(frozen=True)
+class SmcrGrant:
+    """An RMB handed to a negotiation (``RmbGrant``): registered on link ``link_id``."""
+
+    rkey: int
+    vaddr: int
+    size: int
+    size_comp: int
+    alert_token: int
+    lgr_id: int
+    rmb_id: int
+
+
+@dataclass(eq=False)
+class _Lgr:
+    fsm: LinkGroup
+    lgr_id: int
+    version: int
+    role: Role
+    peer_system_id: bytes
+    vlan_id: int
+    uses_gateway: bool
+    ports: dict[str, VerbsPort]
+    gid_index: dict[str, int]
+    links: dict[int, VerbsLink] = field(default_factory=dict)
+    peer_macs: dict[int, bytes] = field(default_factory=dict)
+    rmbs: dict[int, SmcrBuffer] = field(default_factory=dict)
+    free_rmbs: list[int] = field(default_factory=list)
+    conns: dict[int, SmcrConnection] = field(default_factory=dict)
+    llc_q: dict[int, deque[bytes]] = field(default_factory=dict)
+    send_q: dict[int, deque[SmcrConnection]] = field(default_factory=dict)
+    first: asyncio.Future[str | None] | None = None
+    confirmed: bool = False
+    timer: asyncio.TimerHandle | None = None
+    free_timer: asyncio.TimerHandle | None = None
+    next_rmb: int = 0
+    gone: bool = False
+
+
+class SmcrTransport:
+    """Link groups, RMBs and connections of SMC-R (see the module docstring).
+
+    ``devices`` limits the RoCE devices used (None: any the negotiator chooses); ``registry``
+    receives link group, link and connection records (a private one if None)."""
+
+    def __init__(
+        self,
+        *,
+        pool: RmbPool | None = None,
+        registry: reg.Registry | None = None,
+        devices: Collection[str] | None = None,
+        linger: float = LGR_LINGER,
+        testlink_time: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool if pool is not None else RmbPool()
+        self.registry = registry if registry is not None else reg.Registry()
+        self.devices = None if devices is None else frozenset(devices)
+        self.linger = linger
+        self.testlink_time = testlink_time
+        self._clock = clock
+        self._ports: dict[str, VerbsPort] = {}
+        self._lgrs: dict[int, _Lgr] = {}
+        self._by_qp: dict[tuple[str, int], tuple[_Lgr, int]] = {}
+        self._by_token: dict[int, SmcrConnection] = {}
+        self._tokens: set[int] = set()
+        self._grants: dict[int, SmcrGrant] = {}
+        #: CDCs that arrived for a granted token before its connection was attached
+        self._early: dict[int, list[wire_cdc.CdcMessage]] = {}
+        self._token_seq = itertools.count(secrets.randbits(20) + 1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ ports
+    def _now(self) -> float:
+        return self._clock()
+
+    def _loop_now(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._sweep = self._loop.call_later(SWEEP_INTERVAL, self._on_sweep)
+        return self._loop
+
+    def port(self, device: str, num: int) -> VerbsPort:
+        """The open verbs port ``device:num`` (opened and started on first use)."""
+        name = f"{device}:{num}"
+        vp = self._ports.get(name)
+        if vp is None:
+            if self.devices is not None and device not in self.devices:
+                raise SmcrTransportError(
+                    f"RDMA device {device} is not one this smcd uses ({', '.join(self.devices)})",
+                    DeclineReason.NOSMCRDEV,
+                )
+            vp = VerbsPort(device, num)
+            vp.start(self._on_event)
+            self._ports[name] = vp
+            self._loop_now()
+        return vp
+
+    def verbs_ports(self) -> tuple[VerbsPort, ...]:
+        return tuple(self._ports.values())
+
+    # ------------------------------------------------------------------ SmcrResources
+    def link_groups(self) -> Iterable[LinkGroupView]:
+        out = []
+        for g in self._lgrs.values():
+            if g.gone or g.fsm.terminated or not g.confirmed:
+                continue
+            links = []
+            for info in g.fsm.links():
+                vl = g.links.get(info.link_id)
+                if vl is None or info.peer_qpn is None:
+                    continue
+                links.append(
+                    LinkView(
+                        link_id=info.link_id,
+                        qpn=vl.qpn,
+                        psn=vl.psn,
+                        mtu=info.mtu or vl.mtu,
+                        gid=info.gid,
+                        mac=vl.mac,
+                        peer_qpn=info.peer_qpn,
+                        peer_gid=info.peer_gid or bytes(16),
+                        peer_mac=g.peer_macs.get(info.link_id, bytes(6)),
+                        active=info.state == LinkState.ACTIVE,
+                    )
+                )
+            out.append(
+                LinkGroupView(
+                    lgr_id=g.lgr_id,
+                    role=g.role,
+                    version=g.version,
+                    peer_system_id=g.peer_system_id,
+                    vlan_id=g.vlan_id,
+                    conns=len(g.fsm.connections()),
+                    max_conns=g.fsm.max_conns,
+                    links=tuple(links),
+                    rtokens_full=g.fsm.peer_rkey_count() >= 255,
+                )
+            )
+        return out
+
+    def pick_link(self, lgr_id: int) -> int:
+        return self._lgr(lgr_id).fsm.pick_link()
+
+    def create_link_group(self, request: LinkGroupRequest) -> FirstLink:
+        """First contact: a link group and its first link's QP (in INIT, receives posted)."""
+        loop = self._loop_now()
+        local = request.local
+        try:
+            vp = self.port(local.device, local.port)
+            mtu = vp.active_mtu
+        except SmcrTransportError:
+            raise
+        except SmcError as e:
+            raise SmcrTransportError(f"RoCE port {local.device}:{local.port}: {e}") from e
+        name = f"{local.device}:{local.port}"
+        lgr_id = self.registry.allocate_lgr_id()
+        # One local port per link group here: a second link would be an asymmetric one on the
+        # same port, which costs a QP and is then rejected by a single-port peer.
+        max_links = 1
+        fsm = LinkGroup(
+            request.role,
+            lgr_id,
+            [LocalPort(name, local.gid, request.local_mac, mtu=mtu)],
+            v2=request.version == 2,
+            release_v21=request.release >= 1,
+            max_links=max_links,
+            max_conns=request.max_conns,
+            testlink_time=self.testlink_time,
+        )
+        g = _Lgr(
+            fsm=fsm,
+            lgr_id=lgr_id,
+            version=request.version,
+            role=request.role,
+            peer_system_id=request.peer_system_id,
+            vlan_id=request.vlan_id,
+            uses_gateway=request.uses_gateway,
+            ports={name: vp},
+            gid_index={name: local.gid_index},
+            first=loop.create_future(),
+        )
+        self._lgrs[lgr_id] = g
+        self.registry.add_link_group(
+            reg.LinkGroup(
+                lgr_id=lgr_id,
+                role=reg.LgrRole.SERV if request.role == Role.SERVER else reg.LgrRole.CLNT,
+                smc_type=reg.SmcType.SMCR,
+                local_gid=local.gid,
+                peer_gid=request.peer_gid,
+                peer_system_id=request.peer_system_id,
+                vlan_id=request.vlan_id,
+                netdev=local.netdev,
+                max_conns=request.max_conns,
+                max_links=max_links,
+                smc_version=request.version,
+                smc_release=request.release,
+                direct=not request.uses_gateway,
+            )
+        )
+        self._apply(g, fsm.start(self._now(), name))
+        infos = fsm.links()
+        if len(infos) != 1 or infos[0].link_id not in g.links:
+            self.discard_link_group(lgr_id)
+            raise SmcrTransportError("the first link's QP could not be created")
+        vl = g.links[infos[0].link_id]
+        return FirstLink(lgr_id, infos[0].link_id, vl.qpn, vl.psn, vl.mtu)
+
+    def discard_link_group(self, lgr_id: int) -> None:
+        g = self._lgrs.get(lgr_id)
+        if g is None:
+            return
+        if not g.fsm.terminated:
+            self._apply(g, g.fsm.terminate(self._now(), explanation="CLC handshake failed"))
+        self._teardown(g)
+
+    def allocate_rmb(self, lgr_id: int, link_id: int, size: int) -> SmcrGrant:
+        g = self._lgr(lgr_id)
+        bufsize = buffer_size_for(max(size - 32, 1))
+        rmb_id = next((i for i in g.free_rmbs if g.rmbs[i].size == bufsize), None)
+        if rmb_id is not None:
+            g.free_rmbs.remove(rmb_id)
+            buf = g.rmbs[rmb_id]
+            buf.zero()
+            buf.generation += 1
+        else:
+            buf = self.pool.acquire(BufferKind.RMB, bufsize)
+            g.next_rmb += 1
+            rmb_id = g.next_rmb
+            g.rmbs[rmb_id] = buf
+            rkeys: dict[int, tuple[int, int]] = {}
+            try:
+                for lid, vl in g.links.items():
+                    pname = self._port_name(vl)
+                    region = self.pool.register(buf, pname, vl.port.mrs)
+                    rkeys[lid] = (region.rkey, region.addr)
+            except SmcError as e:
+                del g.rmbs[rmb_id]
+                self.pool.release(buf)
+                raise SmcrTransportError(f"registering an RMB: {e}", DeclineReason.MEM) from e
+            announce = g.confirmed
+            self._apply(g, g.fsm.add_rmb(rmb_id, rkeys, self._now(), announce=announce))
+        link = g.links.get(link_id)
+        if link is None:
+            raise SmcrTransportError(f"link {link_id} of link group {lgr_id:#x} is gone",
+                                     DeclineReason.NOACTLINK)  # fmt: skip
+        region = buf.region(self._port_name(link))
+        token = self._new_token()
+        self.registry.update_link_group(lgr_id, rmb_alloc=sum(b.size for b in g.rmbs.values()))
+        grant = SmcrGrant(
+            rkey=region.rkey,
+            vaddr=region.addr,
+            size=bufsize,
+            size_comp=compress_size(bufsize, max_comp=15),
+            alert_token=token,
+            lgr_id=lgr_id,
+            rmb_id=rmb_id,
+        )
+        self._grants[token] = grant
+        return grant
+
+    def release_rmb(self, grant: Any) -> None:
+        self._tokens.discard(grant.alert_token)
+        self._grants.pop(grant.alert_token, None)
+        self._early.pop(grant.alert_token, None)
+        g = self._lgrs.get(grant.lgr_id)
+        usable = g is not None and not g.gone and grant.rmb_id in g.rmbs
+        if usable and g is not None and grant.rmb_id not in g.free_rmbs:
+            g.free_rmbs.append(grant.rmb_id)
+
+    def release_token(self, token: int) -> None:
+        """Give back the RMB granted under alert token ``token`` (a handshake that succeeded
+        but could not become a connection)."""
+        grant = self._grants.get(token)
+        if grant is not None:
+            self.release_rmb(grant)
+
+    def _new_token(self) -> int:
+        while True:
+            t = next(self._token_seq) & 0xFFFFFFFF
+            if t and t not in self._tokens:
+                self._tokens.add(t)
+                return t
+
+    # ------------------------------------------------------------------ after the handshake
+    def begin_first_link(self, outcome: SmcrOutcome) -> None:
+        """A first contact's CLC outcome: the peer's QP is known. The client's QP goes to RTR
+        now (before its Confirm leaves, as ``smc_connect_rdma`` readies the link first); the
+        server's goes to RTS and sends LLC CONFIRM LINK."""
+        g = self._lgr(outcome.lgr_id)
+        g.peer_macs[outcome.link_id] = outcome.peer_mac
+        self._apply(g, g.fsm.first_contact_peer(outcome.peer_qp, self._now()))
+
+    async def wait_first_link(self, outcome: SmcrOutcome, timeout: float = 15.0) -> str | None:
+        """Wait for LLC CONFIRM LINK of a first contact. None when the link is up, else the
+        reason (for ``link_failed`` on the negotiation)."""
+        g = self._lgrs.get(outcome.lgr_id)
+        if g is None:
+            return "the link group ended"
+        if g.first is None:
+            return None if g.confirmed else "the link group ended"
+        try:
+            return await asyncio.wait_for(asyncio.shield(g.first), timeout)
+        except TimeoutError:
+            return f"LLC CONFIRM LINK did not complete within {timeout:g} s"
+
+    def attach(self, outcome: SmcrOutcome, conn_id: int) -> SmcrConnection:
+        """Create the connection of a successful handshake (link up) and start relaying."""
+        loop = self._loop_now()
+        g = self._lgr(outcome.lgr_id)
+        grant = self._grants.get(outcome.alert_token)
+        if grant is None or grant.lgr_id != g.lgr_id:
+            raise SmcrTransportError("the RMB of this handshake is gone")
+        if g.fsm.terminated or g.gone:
+            raise SmcrTransportError("the link group ended", DeclineReason.NOACTLINK)
+        try:
+            link_id = g.fsm.add_connection(
+                conn_id, outcome.peer_rmb_rkey, outcome.peer_rmb_vaddr, self._now(),
+                link_id=outcome.link_id,
+            )  # fmt: skip
+        except LinkGroupError as e:
+            raise SmcrTransportError(str(e), DeclineReason.NOACTLINK) from e
+        if g.free_timer is not None:
+            g.free_timer.cancel()
+            g.free_timer = None
+        vl = g.links[link_id]
+        rmb = g.rmbs[grant.rmb_id]
+        peer_ring_len = outcome.peer_rmbe_size - 32
+        snd_size = buffer_size_for(peer_ring_len)
+        if snd_size - 32 != peer_ring_len:
+            g.fsm.remove_connection(conn_id)
+            raise SmcrTransportError(
+                f"the peer's RMB of {outcome.peer_rmbe_size} bytes is not a size smcd can "
+                "mirror as a send buffer (16 KiB << n, n <= 6)",
+                DeclineReason.INTERR,
+            )
+        sndbuf = self.pool.acquire(BufferKind.SNDBUF, snd_size)
+        region = self.pool.register(sndbuf, self._port_name(vl), vl.port.mrs)
+        conn = SmcrConnection(
+            conn_id=conn_id,
+            lgr_id=g.lgr_id,
+            link_id=link_id,
+            token=grant.alert_token,
+            peer_token=outcome.peer_alert_token,
+            rmb=rmb,
+            rmb_id=grant.rmb_id,
+            sndbuf=sndbuf,
+            snd_region=region,
+            peer_ring=RemoteRing(outcome.peer_rmb_vaddr, outcome.peer_rmb_rkey, peer_ring_len),
+            want_send=self._want_send,
+            finished=self._finished,
+        )
+        g.conns[conn_id] = conn
+        self._by_token[grant.alert_token] = conn
+        self.registry.update_link_group(
+            g.lgr_id, sndbuf_alloc=sum(c.sndbuf.size for c in g.conns.values())
+        )
+        conn.start(loop)
+        for msg in self._early.pop(grant.alert_token, []):
+            conn.on_cdc(msg)
+        return conn
+
+    def connection(self, conn_id: int) -> SmcrConnection | None:
+        for g in self._lgrs.values():
+            c = g.conns.get(conn_id)
+            if c is not None:
+                return c
+        return None
+
+    # ------------------------------------------------------------------ sending
+    def _want_send(self, conn: SmcrConnection) -> None:
+        g = self._lgrs.get(conn.lgr_id)
+        if g is None or conn.done:
+            return
+        if not conn.queued:
+            conn.queued = True
+            g.send_q.setdefault(conn.link_id, deque()).append(conn)
+        self._pump(g, conn.link_id)
+
+    def _send_llc(self, g: _Lgr, link_id: int, data: bytes) -> None:
+        g.llc_q.setdefault(link_id, deque()).append(data)
+        self._pump(g, link_id)
+
+    def _pump(self, g: _Lgr, link_id: int) -> None:
+        vl = g.links.get(link_id)
+        if vl is None or vl.error is not None:
+            return
+        llc_q = g.llc_q.get(link_id)
+        send_q = g.send_q.get(link_id)
+        try:
+            while llc_q and vl.free_send_slots:
+                vl.send(llc_q[0], tag=("llc", g.lgr_id))
+                llc_q.popleft()
+            while send_q and vl.free_send_slots:
+                conn = send_q[0]
+                if conn.done or conn.link_id != link_id:
+                    send_q.popleft()
+                    conn.queued = False
+                    if not conn.done:
+                        self._want_send(conn)
+                    continue
+                if not conn.transmit(vl):
+                    send_q.popleft()
+                    conn.queued = False
+        except VerbsError as e:
+            log.warning("SMC-R link group %#x link %d: posting failed: %s", g.lgr_id, link_id, e)
+
+    # ------------------------------------------------------------------ verbs events
+    def _on_event(self, ev: VerbsEvent) -> None:
+        if isinstance(ev, PortStateChanged):
+            name = f"{ev.device}:{ev.port}"
+            for g in list(self._lgrs.values()):
+                if name in g.ports and not g.gone:
+                    self._apply(g, g.fsm.port_state(name, ev.active, self._now()))
+            return
+        found = self._by_qp.get((ev.device, ev.qpn))
+        if found is None:
+            return
+        g, link_id = found
+        now = self._now()
+        if isinstance(ev, MessageReceived):
+            g.fsm.note_rx(link_id, now)
+            if ev.data[:1] == b"\xfe":
+                self._on_cdc(g, ev.data)
+            else:
+                self._apply(g, g.fsm.receive(link_id, ev.data, now))
+        elif isinstance(ev, SendDone):
+            tag = ev.tag
+            if isinstance(tag, tuple) and tag and tag[0] == "cdc":
+                conn = g.conns.get(tag[1])
+                if conn is not None:
+                    conn.send_done(tag[2])
+            self._pump(g, link_id)
+            for other in list(g.send_q):
+                if other != link_id:
+                    self._pump(g, other)
+        elif isinstance(ev, LinkError):
+            log.warning("SMC-R link group %#x link %d down: %s", g.lgr_id, link_id, ev.reason)
+            self._apply(g, g.fsm.link_down(link_id, now, ev.reason))
+        elif isinstance(ev, CompletionFailed | WriteDone):
+            pass  # LinkError follows a failure; writes are covered by the CDC after them
+
+    def _on_cdc(self, g: _Lgr, data: bytes) -> None:
+        try:
+            msg = wire_cdc.decode(data)
+        except SmcError as e:
+            log.info("SMC-R link group %#x: undecodable CDC dropped: %s", g.lgr_id, e)
+            return
+        conn = self._by_token.get(msg.token)
+        grant = self._grants.get(msg.token)
+        if conn is None and grant is not None and grant.lgr_id == g.lgr_id:
+            # the peer's side finished its handshake first and already sends: keep it
+            early = self._early.setdefault(msg.token, [])
+            if len(early) < 64:
+                early.append(msg)
+            return
+        if conn is None or conn.lgr_id != g.lgr_id:
+            log.debug("SMC-R link group %#x: CDC for unknown token %#x", g.lgr_id, msg.token)
+            return
+        conn.on_cdc(msg)
+
+    # ------------------------------------------------------------------ LLC outputs
+    def _apply(self, g: _Lgr, outputs: list[Output]) -> None:
+        for o in outputs:
+            try:
+                self._apply_one(g, o)
+            except SmcError as e:
+                log.warning("SMC-R link group %#x: %s failed: %s", g.lgr_id, type(o).__name__, e)
+                if isinstance(o, CreateQp):
+                    self._apply(g, g.fsm.link_down(o.link_id, self._now(), str(e)))
+        self._schedule_tick(g)
+
+    def _apply_one(self, g: _Lgr, o: Output) -> None:
+        now = self._now()
+        if isinstance(o, SendLlc):
+            self._send_llc(g, o.link_id, o.message.encode())
+        elif isinstance(o, CreateQp):
+            vp = g.ports.get(o.port.name)
+            if vp is None:
+                dev, _, num = o.port.name.rpartition(":")
+                vp = g.ports[o.port.name] = self.port(dev, int(num))
+            gid_index = g.gid_index.get(o.port.name)
+            if gid_index is None:
+                gid_index = g.gid_index[o.port.name] = vp.gid_index(o.port.gid)
+            vl = vp.create_link(gid_index, v2=g.fsm.v2)
+            vl.to_init()
+            g.links[o.link_id] = vl
+            self._by_qp[(vp.device, vl.qpn)] = (g, o.link_id)
+            rkeys = {}
+            for rmb_id in o.rmb_ids:
+                region = self.pool.register(g.rmbs[rmb_id], o.port.name, vp.mrs)
+                rkeys[rmb_id] = (region.rkey, region.addr)
+            self.registry.add_link(
+                reg.Link(
+                    lgr_id=g.lgr_id,
+                    link_id=o.link_id,
+                    state=reg.LinkState.ACTIVATING,
+                    ibdev=vp.device,
+                    ibport=vp.port,
+                    netdev=self._lgr_netdev(g),
+                    gid=vl.gid,
+                    qpn=vl.qpn,
+                    mtu=mtu_bytes(vl.mtu),
+                )
+            )
+            self._apply(g, g.fsm.qp_created(o.link_id, vl.qpn, vl.psn, now, rkeys))
+        elif isinstance(o, QpToRtr):
+            vl = g.links[o.link_id]
+            p = o.peer
+            g.peer_macs[o.link_id] = p.mac
+            vl.to_rtr(LinkParams(p.gid, p.qpn, p.psn, o.mtu, p.mac), uses_gateway=g.uses_gateway)
+            self._reg_link(g, o.link_id, peer_gid=p.gid, peer_qpn=p.qpn, mtu=mtu_bytes(o.mtu))
+        elif isinstance(o, QpToRts):
+            g.links[o.link_id].to_rts()
+        elif isinstance(o, DestroyQp):
+            vl2 = g.links.pop(o.link_id, None)
+            if vl2 is not None:
+                self._destroy_later(vl2)
+            with contextlib.suppress(SmcError):
+                self.registry.remove_link(g.lgr_id, o.link_id)
+        elif isinstance(o, MoveConnection):
+            conn = g.conns.get(o.conn_id)
+            if conn is not None:
+                log.info("SMC-R connection %d: failover link %d -> %d", o.conn_id, o.from_link,
+                         o.to_link)  # fmt: skip
+                conn.queued = False
+                conn.move(o.to_link, o.peer_rkey, o.peer_vaddr, o.validate)
+                with contextlib.suppress(SmcError):
+                    self.registry.update_connection(o.conn_id, link_id=o.to_link)
+        elif isinstance(o, AbortConnections):
+            for conn_id in o.conn_ids:
+                conn = g.conns.get(conn_id)
+                if conn is not None:
+                    conn.lost("the link group ended (no link left)")
+        elif isinstance(o, LinkStateChanged):
+            if o.new != LinkState.UNUSED:
+                self._reg_link(g, o.link_id, state=reg.LinkState(
+                    "LINK_UNUSED" if o.new == LinkState.UNUSED else o.new.value))  # fmt: skip
+        elif isinstance(o, LgrTypeChanged):
+            with contextlib.suppress(SmcError):
+                self.registry.update_link_group(g.lgr_id, lgr_type=reg.LgrType(o.new.value))
+        elif isinstance(o, FirstContactDone):
+            self._first_done(g, o.link_id, None)
+        elif isinstance(o, FirstContactFailed):
+            self._first_done(g, None, o.explanation)
+        elif isinstance(o, LinkGroupTerminated):
+            log.info("SMC-R link group %#x terminated: %s", g.lgr_id, o.explanation)
+            self._first_done(g, None, o.explanation)
+            self._teardown(g)
+        elif isinstance(o, LlcIgnored):
+            log.debug("SMC-R link group %#x: LLC ignored: %s", g.lgr_id, o.why)
+        elif isinstance(o, AddLinkResult | RmbConfirmed | RmbDeleted):
+            log.debug("SMC-R link group %#x: %s", g.lgr_id, o)
+
+    def _lgr_netdev(self, g: _Lgr) -> str:
+        rec = self.registry.link_group(g.lgr_id)
+        return rec.netdev if rec is not None else ""
+
+    def _reg_link(self, g: _Lgr, link_id: int, **changes: Any) -> None:
+        with contextlib.suppress(SmcError):
+            self.registry.update_link(g.lgr_id, link_id, **changes)
+
+    def _first_done(self, g: _Lgr, link_id: int | None, why: str | None) -> None:
+        if link_id is not None and link_id not in g.links and len(g.links) == 1:
+            # the server numbered the first link differently (smc_llc_eval_conf_link)
+            (old,) = g.links
+            vl = g.links.pop(old)
+            g.links[link_id] = vl
+            self._by_qp[(vl.port.device, vl.qpn)] = (g, link_id)
+        if why is None:
+            g.confirmed = True
+        fut = g.first
+        if fut is not None and not fut.done():
+            fut.set_result(why)
+        g.first = None
+
+    def _destroy_later(self, vl: VerbsLink) -> None:
+        def destroy() -> None:
+            self._by_qp.pop((vl.port.device, vl.qpn), None)
+            vl.close()
+
+        if self._loop is not None and not self._closed:
+            self._loop.call_later(DESTROY_DELAY, destroy)
+        else:
+            destroy()
+
+    # ------------------------------------------------------------------ time
+    def _schedule_tick(self, g: _Lgr) -> None:
+        if g.timer is not None:
+            g.timer.cancel()
+            g.timer = None
+        if g.gone or self._loop is None:
+            return
+        deadline = g.fsm.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline - self._now())
+            g.timer = self._loop.call_later(delay, self._on_tick, g)
+
+    def _on_tick(self, g: _Lgr) -> None:
+        g.timer = None
+        if not g.gone:
+            self._apply(g, g.fsm.tick(self._now()))
+
+    def _on_sweep(self) -> None:
+        self._sweep = None
+        if self._closed or self._loop is None:
+            return
+        for g in list(self._lgrs.values()):
+            for conn in list(g.conns.values()):
+                conn.scan()
+        self._sweep = self._loop.call_later(SWEEP_INTERVAL, self._on_sweep)
+
+    # ------------------------------------------------------------------ connection end
+    def _finished(self, conn: SmcrConnection) -> None:
+        self._by_token.pop(conn.token, None)
+        self._grants.pop(conn.token, None)
+        self._early.pop(conn.token, None)
+        self._tokens.discard(conn.token)
+        self.pool.release(conn.sndbuf)
+        with contextlib.suppress(SmcError):
+            self.registry.remove_connection(conn.conn_id)
+        g = self._lgrs.get(conn.lgr_id)
+        if g is None:
+            self.pool.release(conn.rmb)
+            return
+        g.conns.pop(conn.conn_id, None)
+        g.fsm.remove_connection(conn.conn_id)
+        if not g.gone and conn.rmb_id in g.rmbs:
+            g.free_rmbs.append(conn.rmb_id)
+        else:
+            self.pool.release(conn.rmb)
+        if not g.conns and not g.gone and self._loop is not None:
+            if g.free_timer is not None:
+                g.free_timer.cancel()
+            g.free_timer = self._loop.call_later(self.linger, self._free_idle, g)
+
+    def _free_idle(self, g: _Lgr) -> None:
+        g.free_timer = None
+        if g.conns or g.gone:
+            return
+        if g.fsm.connections():
+            return
+        log.info("SMC-R link group %#x idle for %g s: freeing", g.lgr_id, self.linger)
+        self._apply(g, g.fsm.free(self._now()))
+        self._teardown(g)
+
+    def _teardown(self, g: _Lgr) -> None:
+        if g.gone:
+            return
+        g.gone = True
+        if g.timer is not None:
+            g.timer.cancel()
+        if g.free_timer is not None:
+            g.free_timer.cancel()
+        for conn in list(g.conns.values()):
+            conn.lost("the link group ended")
+        for lid in list(g.links):
+            self._destroy_later(g.links.pop(lid))
+        for rmb_id, buf in g.rmbs.items():
+            if rmb_id in g.free_rmbs or not any(c.rmb is buf for c in g.conns.values()):
+                self.pool.release(buf)
+        self._first_done(g, None, "the link group ended")
+        self._lgrs.pop(g.lgr_id, None)
+        with contextlib.suppress(SmcError):
+            self.registry.remove_link_group(g.lgr_id)
+
+    # ------------------------------------------------------------------ helpers
+    def _lgr(self, lgr_id: int) -> _Lgr:
+        g = self._lgrs.get(lgr_id)
+        if g is None:
+            raise SmcrTransportError(f"no link group {lgr_id:#x}", DeclineReason.NOACTLINK)
+        return g
+
+    @staticmethod
+    def _port_name(vl: VerbsLink) -> str:
+        return f"{vl.port.device}:{vl.port.port}"
+
+    def lgr_stats(self) -> list[dict[str, Any]]:
+        """A snapshot per link group (tests and tools): QPs, connections, RMB reuse."""
+        return [
+            {
+                "lgr_id": g.lgr_id,
+                "role": g.role.value,
+                "type": g.fsm.type.value,
+                "links": {lid: vl.qpn for lid, vl in g.links.items()},
+                "conns": len(g.conns),
+                "rmbs": len(g.rmbs),
+                "free_rmbs": len(g.free_rmbs),
+            }
+            for g in self._lgrs.values()
+        ]
+
+    def close(self) -> None:
+        """Tear everything down (daemon stop): connections abort, QPs and ports close."""
+        if self._closed:
+            return
+        conns = [c for g in self._lgrs.values() for c in g.conns.values()]
+        for g in list(self._lgrs.values()):
+            if not g.fsm.terminated:
+                with contextlib.suppress(Exception):
+                    self._apply(g, g.fsm.terminate(self._now()))
+            self._teardown(g)
+        for conn in conns:  # as a dying daemon: the applications' peer links hang up
+            conn.close()
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+        for name, vp in self._ports.items():
+            self.pool.forget_registrar(name)
+            vp.close()
+        self._ports.clear()
+        self.pool.close()
