@@ -331,6 +331,48 @@ def _name(code: int) -> str:
     return f"{code:#010x}"
 
 
+class ClcFramer:
+    """Reads one CLC message at a time from the TCP byte stream, never more than it needs: the
+    8-byte header first (what the kernel's ``smc_clc_wait_msg`` MSG_PEEKs), then the length the
+    header announces, so bytes after the handshake stay in the application's socket. Shared by
+    the SMC-D and SMC-R negotiations. Pure."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._length = 0
+
+    @property
+    def bytes_needed(self) -> int:
+        if len(self._buf) < CLC_HEADER_LEN:
+            return CLC_HEADER_LEN - len(self._buf)
+        return self._length - len(self._buf)
+
+    def feed(self, data: bytes, expect: ClcType) -> ClcMessage | str | None:
+        """Take at most :attr:`bytes_needed` bytes. Returns the decoded message once it is
+        complete, a protocol-violation text (bad header, unexpected type, malformed message),
+        or None while more bytes are needed. Only ``expect`` or a Decline is acceptable."""
+        self._buf += data
+        if len(self._buf) < CLC_HEADER_LEN:
+            return None
+        if len(self._buf) == CLC_HEADER_LEN and not self._length:
+            try:
+                hdr = peek_header(self._buf)
+            except ProtocolError as exc:
+                return f"bad CLC header: {exc}"
+            if hdr.type not in (expect, ClcType.DECLINE):
+                return f"expected {expect.name} or DECLINE, got {hdr.type.name}"
+            self._length = hdr.length
+        if len(self._buf) < self._length:
+            return None
+        raw = bytes(self._buf)
+        self._buf.clear()
+        self._length = 0
+        try:
+            return decode(raw)
+        except ProtocolError as exc:
+            return f"malformed {expect.name}: {exc}"
+
+
 class _Negotiation:
     """Framing, declines, fallbacks and resource clean-up shared by both roles."""
 
@@ -341,8 +383,7 @@ class _Negotiation:
         self.resources = resources
         self.outcome: Outcome | None = None
         self._state = _State.INIT
-        self._buf = bytearray()
-        self._length = 0
+        self._framer = ClcFramer()
         self._decline_version = 2
         self._local_token: int | None = None
         self._peer_token: int | None = None
@@ -359,9 +400,7 @@ class _Negotiation:
         """How many bytes to read from the TCP socket next (never read more); 0 when not waiting."""
         if self._state is not _State.WAIT:
             return 0
-        if len(self._buf) < CLC_HEADER_LEN:
-            return CLC_HEADER_LEN - len(self._buf)
-        return self._length - len(self._buf)
+        return self._framer.bytes_needed
 
     @property
     def timeout(self) -> float | None:
@@ -373,31 +412,14 @@ class _Negotiation:
             raise NegotiationError(f"not waiting for data (state {self._state.value})")
         if len(data) > self.bytes_needed:
             raise NegotiationError(f"fed {len(data)} bytes, asked for {self.bytes_needed}")
-        self._buf += data
-        if len(self._buf) < CLC_HEADER_LEN:
+        got = self._framer.feed(data, self._expect)
+        if got is None:
             return Step()
-        if len(self._buf) == CLC_HEADER_LEN and not self._length:
-            try:
-                hdr = peek_header(self._buf)
-            except ProtocolError as exc:
-                return self._violation(f"bad CLC header: {exc}")
-            if hdr.type not in (self._expect, ClcType.DECLINE):
-                return self._violation(
-                    f"expected {self._expect.name} or DECLINE, got {hdr.type.name}"
-                )
-            self._length = hdr.length
-        if len(self._buf) < self._length:
-            return Step()
-        raw = bytes(self._buf)
-        self._buf.clear()
-        self._length = 0
-        try:
-            msg = decode(raw)
-        except ProtocolError as exc:
-            return self._violation(f"malformed {self._expect.name}: {exc}")
-        if isinstance(msg, Decline):
-            return self._peer_declined(msg)
-        return self._handle(msg)
+        if isinstance(got, str):
+            return self._violation(got)
+        if isinstance(got, Decline):
+            return self._peer_declined(got)
+        return self._handle(got)
 
     def on_timeout(self) -> Step:
         """The wait of :attr:`timeout` seconds expired."""

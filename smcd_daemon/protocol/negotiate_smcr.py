@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from smcd_daemon.core.eid import EidTable
-from smcd_daemon.errors import ProtocolError, SmcError
+from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.linkgroup import PeerQp, Role
 from smcd_daemon.protocol.negotiate import (
     _HOSTNAME_OK,
@@ -85,6 +85,7 @@ from smcd_daemon.protocol.negotiate import (
     SMC_LINKS_ADD_LNK_MAX,
     SMC_LINKS_ADD_LNK_MIN,
     SMC_RELEASE,
+    ClcFramer,
     ClientNegotiation,
     FallbackOutcome,
     NegotiationError,
@@ -111,7 +112,6 @@ from smcd_daemon.protocol.smcr_route import (
     determine_gid,
 )
 from smcd_daemon.wire.clc import (
-    CLC_HEADER_LEN,
     MAX_GID_LIST,
     Accept,
     ClcMessage,
@@ -127,8 +127,6 @@ from smcd_daemon.wire.clc import (
     SmcrInfo,
     SmcType,
     V2Extension,
-    decode,
-    peek_header,
 )
 from smcd_daemon.wire.reasons import DeclineReason
 
@@ -475,8 +473,7 @@ class _SmcrNegotiation:
         self.smcd = facts.smcd
         self._outcome: SmcrNegotiationOutcome | None = None
         self._state = _State.INIT
-        self._buf = bytearray()
-        self._length = 0
+        self._framer = ClcFramer()
         self._decline_version = 2
         self._new_lgr: int | None = None
         self._rmb: RmbGrant | None = None
@@ -505,9 +502,7 @@ class _SmcrNegotiation:
             return self._delegate.bytes_needed
         if self._state is not _State.WAIT:
             return 0
-        if len(self._buf) < CLC_HEADER_LEN:
-            return CLC_HEADER_LEN - len(self._buf)
-        return self._length - len(self._buf)
+        return self._framer.bytes_needed
 
     @property
     def timeout(self) -> float | None:
@@ -524,30 +519,14 @@ class _SmcrNegotiation:
             raise NegotiationError(f"not waiting for data (state {self._state.value})")
         if len(data) > self.bytes_needed:
             raise NegotiationError(f"fed {len(data)} bytes, asked for {self.bytes_needed}")
-        self._buf += data
-        if len(self._buf) < CLC_HEADER_LEN:
+        got = self._framer.feed(data, self._expect)
+        if got is None:
             return SmcrStep()
-        if len(self._buf) == CLC_HEADER_LEN and not self._length:
-            try:
-                hdr = peek_header(self._buf)
-            except ProtocolError as exc:
-                return self._violation(f"bad CLC header: {exc}")
-            if hdr.type not in (self._expect, ClcType.DECLINE):
-                return self._violation(
-                    f"expected {self._expect.name} or DECLINE, got {hdr.type.name}"
-                )
-            self._length = hdr.length
-        if len(self._buf) < self._length:
-            return SmcrStep()
-        raw = bytes(self._buf)
-        self._buf.clear()
-        self._length = 0
-        try:
-            msg = decode(raw)
-        except ProtocolError as exc:
-            return self._violation(f"malformed {self._expect.name}: {exc}")
-        if isinstance(msg, Decline):
-            return self._peer_declined(msg)
+        if isinstance(got, str):
+            return self._violation(got)
+        if isinstance(got, Decline):
+            return self._peer_declined(got)
+        msg = got
         try:
             return self._handle(msg)
         except _Failed as f:
