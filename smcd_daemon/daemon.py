@@ -11,6 +11,11 @@ what happens to their failures:
 - The PNET table and the UEIDs added at run time are saved (atomically) after every change made
   over D-Bus and restored at start; a corrupt state file is moved aside and reported.
 
+SMC-R is built lazily: the first handoff toward a configured remote peer builds the SMC-R
+transport and service, and only when ``modes.smcr_v1``/``smcr_v2`` allow SMC-R and the inventory
+has an ACTIVE RDMA port; a machine without RDMA never loads any of it. A failure to build it is
+logged once and SMC-R stays off until a reload changes the SMC-R modes.
+
 Order of start-up: inherited sockets (before anything can spawn a child), state, devices
 (netlink, RDMA), the handoff socket, then D-Bus last — owning ``org.smcd`` tells clients we are
 complete — and finally ``READY=1``. Shutdown runs the same list backwards after ``STOPPING=1``.
@@ -29,7 +34,7 @@ import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smcd_daemon import __version__
 from smcd_daemon.adapters import systemd
@@ -57,6 +62,10 @@ from smcd_daemon.core.persist import (
 from smcd_daemon.core.pnet import PnetTable
 from smcd_daemon.core.registry import Registry
 from smcd_daemon.errors import SmcError
+
+if TYPE_CHECKING:
+    from smcd_daemon.adapters.smcr_service import SmcrService
+    from smcd_daemon.transport.smcr import SmcrTransport
 
 __all__ = [
     "PRIVATE_BUS_ADDRESS_FILE",
@@ -310,6 +319,9 @@ class Daemon:
         self.netlink: NetlinkWatcher | None = None
         self.rdma: RdmaWatcher | None = None
         self.handoff: HandoffServer | None = None
+        self.smcr: SmcrService | None = None
+        self.smcr_transport: SmcrTransport | None = None
+        self._smcr_failed = False
         self.service: DbusService | None = None
         self.private_bus: PrivateBus | None = None
         self.bus_address = ""
@@ -394,6 +406,7 @@ class Daemon:
             "registry": self.registry,
             "eids": self.eids,
             "loopback_gid": int.from_bytes(self.inventory.loopback_ism.gid, "big"),
+            "smcr": self.smcr_service,
         }
         if listener is not None:
             self.handoff = HandoffServer(listener, owns_path=False, **parts)
@@ -440,6 +453,7 @@ class Daemon:
         if self.handoff is not None:
             await self.handoff.stop()
             self.handoff = None
+        self._close_smcr()
         if self.rdma is not None:
             await self.rdma.stop()
             self.rdma = None
@@ -465,6 +479,79 @@ class Daemon:
         if not self._stop.is_set():
             log.error("lost the connection to the D-Bus bus %s; exiting", self.bus_address)
             self.request_stop("bus connection lost", status=1)
+
+    # -- SMC-R ----------------------------------------------------------------------------------
+
+    def smcr_service(self) -> SmcrService | None:
+        """The SMC-R service if SMC-R may be tried now (the handoff server's provider): modes
+        allow it and an RDMA port is ACTIVE. Built on first use; None if building it failed."""
+        cfg = self.cfg
+        if not (cfg.modes.smcr_v1 or cfg.modes.smcr_v2) or self.rdma is None:
+            return None
+        if not any(p.active for d in self.inventory.rdma_devices() for p in d.ports):
+            return None
+        if self.smcr is None and not self._smcr_failed:
+            try:
+                self._build_smcr()
+            except Exception:
+                self._smcr_failed = True
+                self._close_smcr()
+                log.exception("cannot set up SMC-R; continuing with SMC-D and TCP only")
+        return self.smcr
+
+    def _build_smcr(self) -> None:
+        from smcd_daemon.adapters.smcr_service import SmcrService
+        from smcd_daemon.core.rmb import RmbPool
+        from smcd_daemon.transport.smcr import SmcrTransport
+
+        cfg = self.cfg
+        assert self.eids is not None
+        self.smcr_transport = SmcrTransport(
+            pool=RmbPool(max_bytes=cfg.buffers.pool_max_bytes),
+            registry=self.registry,
+            linger=cfg.timeouts.linger,
+            testlink_time=cfg.timeouts.test_link,
+        )
+        self.smcr = SmcrService(
+            self.smcr_transport,
+            self.inventory,
+            self.eids,
+            pnet=self.pnet,
+            rmb_size=cfg.buffers.default_size,
+            max_conns=cfg.smcr.max_conns,
+            max_links=cfg.smcr.max_links,
+            smcr_v1=cfg.modes.smcr_v1,
+            smcr_v2=cfg.modes.smcr_v2,
+            clc_wait=cfg.timeouts.clc_wait,
+            proposal_wait=cfg.timeouts.proposal_wait,
+            confirm_link_wait=cfg.timeouts.first_llc,
+        )
+        log.info("SMC-R set up (%s)", ", ".join(_capabilities(cfg)))
+
+    def _configure_smcr(self) -> None:
+        """A reload: new handshakes use the new modes, timers and limits."""
+        cfg = self.cfg
+        if self.smcr is not None:
+            svc = self.smcr
+            svc.smcr_v1, svc.smcr_v2 = cfg.modes.smcr_v1, cfg.modes.smcr_v2
+            svc.clc_wait, svc.proposal_wait = cfg.timeouts.clc_wait, cfg.timeouts.proposal_wait
+            svc.confirm_link_wait = cfg.timeouts.first_llc
+            svc.max_conns, svc.max_links = cfg.smcr.max_conns, cfg.smcr.max_links
+        if self.smcr_transport is not None:
+            self.smcr_transport.linger = cfg.timeouts.linger
+            self.smcr_transport.testlink_time = cfg.timeouts.test_link
+            self.smcr_transport.pool.max_bytes = cfg.buffers.pool_max_bytes
+
+    def _close_smcr(self) -> None:
+        """Stop: SMC-R connections abort (their peers see the link group end), QPs close."""
+        for part in (self.smcr, self.smcr_transport):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("closing SMC-R failed")
+        self.smcr = None
+        self.smcr_transport = None
 
     def status(self) -> str:
         inv = self.inventory
@@ -568,6 +655,9 @@ class Daemon:
             self.inventory.set_loopback_enabled(cfg.modes.smcd_loopback)
         if self.handoff is not None:
             self.handoff.configure(cfg)  # quotas, timeouts, modes, peers: for new handshakes
+        if any(k.startswith("modes.smcr") for k in applied):
+            self._smcr_failed = False  # a changed mode may try again to set SMC-R up
+        self._configure_smcr()
         if self.service is not None and any(k.startswith("modes.") for k in applied):
             self.service.set_info(ServiceInfo(capabilities=_capabilities(cfg)))
         if "eid.ueids" in applied:

@@ -57,6 +57,18 @@ Hot path
     link-group bookkeeping follows the CHANNEL reply, DMBs are zeroed on release rather than on
     reuse, addresses are normalised once (cached), per-user counts are kept rather than counted,
     and idle connections cost the cursor refresh only a comparison of header words.
+SMC-R
+    Tried only when the daemon hands this server an SMC-R provider (it has one only with
+    ``modes.smcr_v1``/``smcr_v2`` on and an ACTIVE RDMA port), with a peer in the
+    configuration's ``peers`` that is not reached through loopback (not an address of this
+    host, unless policy routing sends traffic to it out of a real netdev) — on both halves.
+    Everything else takes the SMC-D path unchanged. The service (:mod:`.smcr_service`) runs
+    the whole handshake and adds its own registry record; the application gets a channel of
+    mode SMCR whose peer is the daemon itself. The handoff connection stays open (so the
+    library does not take a hang-up for a daemon restart) but holds nothing: SHUTDOWN/CLOSE
+    notices are ignored, the daemon sees closes on the peer link it keeps. An error raised by
+    the service is logged and answered with FALLBACK SMC_CLC_DECL_INTERR; it never ends the
+    server.
 RESUME
     After a daemon restart the library re-registers a live channel: the daemon records it again
     (addresses from the TCP socket, byte counts from the library; it holds no copy of the DMBs,
@@ -80,9 +92,10 @@ import struct
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
@@ -119,6 +132,9 @@ from smcd_daemon.wire.cdc import ConnStateFlag, SmcdCdcHeader
 from smcd_daemon.wire.cursor import Cursor
 from smcd_daemon.wire.reasons import DeclineReason, explain
 
+if TYPE_CHECKING:
+    from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
+
 __all__ = [
     "FALLBACK_LINGER",
     "MAX_CLIENTS",
@@ -126,6 +142,7 @@ __all__ = [
     "HandoffServer",
     "HandoffStats",
     "PeerCred",
+    "SmcrProvider",
     "bind_seqpacket",
     "peer_cred",
 ]
@@ -149,6 +166,11 @@ PUBLISH_DELAY = 0.05
 exporting a D-Bus object costs more than the whole handshake, so it stays off that path, and a
 connection that is gone again before then (a short request/response connection) is only
 counted, never exported."""
+
+
+SmcrProvider = Callable[[], "SmcrService | None"]
+"""Gives the SMC-R service when SMC-R may be tried now (modes on, an ACTIVE RDMA port), else
+None; the daemon builds the service on first use."""
 
 
 class HandoffError(SmcError):
@@ -279,6 +301,23 @@ def _is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool
         _local_addresses.clear()
     _local_addresses[ip] = (local, now + LOCAL_ADDRESS_TTL)
     return local
+
+
+def _routed_out(
+    service: SmcrService,
+    local: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    peer: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> bool:
+    """Does traffic from ``local`` to ``peer`` (an address of this host) leave through a real
+    netdev? Normally not (the local table sends it through ``lo``: loopback-ism territory); only
+    policy routing that sends it out on a wire (two simulated hosts in one namespace) does."""
+    if not (isinstance(local, ipaddress.IPv4Address) and isinstance(peer, ipaddress.IPv4Address)):
+        return False
+    route = service.routing.lookup_route(local, peer)
+    if route is None or route.oif is None:
+        return False
+    dev = service.routing.netdev(route.oif)
+    return dev is not None and dev.name != "lo"
 
 
 # -- DMB views --------------------------------------------------------------------------------
@@ -431,6 +470,7 @@ class _Client:
     task: asyncio.Task[None] | None = None
     half: _Half | None = None
     listener: _Listener | None = None
+    smcr_conn: int | None = None  # an SMC-R connection's id (the service tracks the rest)
 
     def __post_init__(self) -> None:
         if self.cred is not None:
@@ -460,7 +500,8 @@ class HandoffServer:
     :meth:`stop` removes the file) or inherited it from systemd (then the socket unit owns the
     file and it stays). ``config`` is a :class:`smcd_daemon.config.Config` (defaults when None);
     :meth:`configure` applies a reloaded one to new connections. ``loopback_gid`` is the 128-bit
-    GID of the loopback-ism device the inventory shows (random when None).
+    GID of the loopback-ism device the inventory shows (random when None). ``smcr`` provides
+    the SMC-R service when SMC-R may be tried (None: never; see the module docstring).
     """
 
     def __init__(
@@ -472,6 +513,7 @@ class HandoffServer:
         registry: Registry | None = None,
         eids: EidTable | None = None,
         loopback_gid: int | None = None,
+        smcr: SmcrProvider | None = None,
     ) -> None:
         if config is None:
             from smcd_daemon.config import Config
@@ -496,6 +538,7 @@ class HandoffServer:
             link_groups=LinkGroupTable(id_source=self.registry.allocate_lgr_id),
         )
         self.hostname = socket.gethostname()
+        self.smcr = smcr
         self._clients: set[_Client] = set()
         self._held: dict[int, int] = {}  # uid → handoff connections it holds (quota checks)
         self._pairs: dict[tuple[Endpoint, Endpoint], _Pair] = {}
@@ -664,6 +707,8 @@ class HandoffServer:
                 if client.half is not None and isinstance(msg, m.Shutdown | m.Close):
                     self._notice(client.half, msg)
                     continue
+                if client.smcr_conn is not None and isinstance(msg, m.Shutdown | m.Close):
+                    continue  # SMC-R: the daemon sees the close on the peer link it holds
                 raise _Refused(m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now"))
         except _Refused as e:
             self._send(client, e.reply)
@@ -769,14 +814,72 @@ class HandoffServer:
             key = (key[1], key[0])
         tcp.close()  # every copy of the borrowed descriptor is gone before we reply
         # The one place where the negotiated outcome picks the transport of the reply.
+        if not isinstance(outcome, FallbackOutcome | SmcdLoopbackOutcome):
+            return self._reply_smcr(client, outcome)
         if isinstance(outcome, FallbackOutcome):
             self._drop_pair(key, "the other half fell back")
             return self._reply_fallback(client, conn, outcome)
         return self._reply_channel(client, conn, role, key, outcome)  # SMC-D over loopback-ism
 
+    def _smcr_toward(self, tcp: BorrowedTcp) -> SmcrService | None:
+        """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
+        configuration's ``peers`` and not reached through loopback, while the provider has a
+        service (modes, an ACTIVE RDMA port)."""
+        if self.smcr is None:
+            return None
+        local, peer = endpoint(tcp.local)[0], endpoint(tcp.peer)[0]
+        if not any(peer.version == net.version and peer in net for net in self.cfg.peers):
+            return None
+        try:
+            service = self.smcr()
+            if service is None or (
+                _is_local_address(peer) and not _routed_out(service, local, peer)
+            ):
+                return None
+            return service
+        except Exception:
+            self.stats.errors += 1
+            log.exception("handoff: the SMC-R service is unavailable; using SMC-D/TCP")
+            return None
+
+    async def _run_smcr(
+        self, client: _Client, hint: int, tcp: BorrowedTcp, service: SmcrService, *, server: bool
+    ) -> SmcrChannel | FallbackOutcome:
+        """One SMC-R handshake through ``service`` (on a copy of the borrowed descriptor, which
+        the service closes). Any error it raises is logged and becomes a fallback."""
+        cred = client.cred
+        kw = {"rmb_size": hint, "uid": client.uid, "pid": cred.pid if cred else 0}
+        fd = os.dup(tcp.fd)
+        try:
+            if server:
+                return await service.accept(fd, **kw)
+            return await service.connect(fd, **kw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.stats.errors += 1
+            log.exception("handoff: SMC-R %s with %s failed", "accept" if server else "connect",
+                          tcp.peer)  # fmt: skip
+            return FallbackOutcome(int(DeclineReason.INTERR), None, True, _clip(f"daemon: {e}"))
+
+    def _reply_smcr(self, client: _Client, out: SmcrChannel) -> bool:
+        """CHANNEL of mode SMCR: the service already recorded the connection."""
+        reply = m.Channel(out.conn_id, m.Mode.SMCR, out.fds.rx_size, out.fds.tx_size)
+        try:
+            sent = self._send(client, reply, out.fds.fds())
+        finally:
+            out.fds.close()  # the daemon keeps its own end of the peer link
+        if not sent:
+            return False  # the application's end of the peer link is gone: the service sees it
+        client.smcr_conn = out.conn_id
+        self.stats.channels += 1
+        log.debug("handoff: %s: SMC-R connection %d (lgr %#x, link %d)", client.label,
+                  out.conn_id, out.lgr_id, out.link_id)  # fmt: skip
+        return True
+
     async def _run_client(
         self, client: _Client, hint: int, tcp: BorrowedTcp
-    ) -> SmcdLoopbackOutcome | FallbackOutcome:
+    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         peer = endpoint(tcp.peer)
         why = self._peer_speaks_smc(peer)
         limit = self._session_limit(client.uid)
@@ -789,6 +892,11 @@ class HandoffServer:
                 f"uid {client.uid} holds {held - 1} handoff connections; quota.connections "
                 f"allows {limit}",
             )
+        if why is not None:
+            service = self._smcr_toward(tcp)
+            if service is not None:
+                log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
+                return await self._run_smcr(client, hint, tcp, service, server=False)
         session = self.loopback.session(client.uid, tcp.local, tcp.peer, server=False)
         facts = self._facts(hint, peer_speaks_smc=why is not None)
         if why is not None:
@@ -807,7 +915,7 @@ class HandoffServer:
 
     async def _run_server(
         self, client: _Client, hint: int, tcp: BorrowedTcp
-    ) -> SmcdLoopbackOutcome | FallbackOutcome:
+    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         wait = self.cfg.timeouts.proposal_wait
         seen = await peek_proposal(tcp, wait)
         if seen.kind != "smc":
@@ -818,6 +926,9 @@ class HandoffServer:
                 "eof": "the client closed the connection without proposing SMC",
             }[seen.kind]
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
+        service = self._smcr_toward(tcp)
+        if service is not None:
+            return await self._run_smcr(client, hint, tcp, service, server=True)
         session = self.loopback.session(client.uid, tcp.local, tcp.peer, server=True)
         return await drive(ServerNegotiation(self._facts(hint), session), tcp)
 
