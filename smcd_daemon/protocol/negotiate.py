@@ -331,6 +331,36 @@ def _name(code: int) -> str:
     return f"{code:#010x}"
 
 
+def local_fallback(
+    code: int, detail: str, *, declined: bool, kernel_errno: int | None = None
+) -> FallbackOutcome:
+    """The outcome when this side gives up on SMC (with or without sending a Decline)."""
+    return FallbackOutcome(
+        reason=int(code),
+        peer_diagnosis=None,
+        local=True,
+        detail=detail,
+        declined=declined,
+        kernel_errno=kernel_errno,
+    )
+
+
+def declined_detail(code: int, detail: str) -> str:
+    return f"{detail}: declined with {_name(code)}"
+
+
+def peer_decline_fallback(msg: Decline, extra: str = "") -> FallbackOutcome:
+    """The outcome when the peer sent a Decline: PEERDECL locally, its code as the diagnosis."""
+    oos = " (out of sync: terminate the link group)" if msg.out_of_sync else ""
+    return FallbackOutcome(
+        reason=int(DeclineReason.PEERDECL),
+        peer_diagnosis=msg.diagnosis,
+        local=False,
+        detail=f"the peer declined with {_name(msg.diagnosis)}{oos}{extra}",
+        out_of_sync=msg.out_of_sync,
+    )
+
+
 class ClcFramer:
     """Reads one CLC message at a time from the TCP byte stream, never more than it needs: the
     8-byte header first (what the kernel's ``smc_clc_wait_msg`` MSG_PEEKs), then the length the
@@ -474,14 +504,7 @@ class _Negotiation:
         self, code: int, detail: str, *, declined: bool, kernel_errno: int | None = None
     ) -> Step:
         self._release()
-        outcome = FallbackOutcome(
-            reason=int(code),
-            peer_diagnosis=None,
-            local=True,
-            detail=detail,
-            declined=declined,
-            kernel_errno=kernel_errno,
-        )
+        outcome = local_fallback(code, detail, declined=declined, kernel_errno=kernel_errno)
         send = (_decline(code, self._decline_version),) if declined else ()
         return self._finish(Step(send, outcome))
 
@@ -489,7 +512,7 @@ class _Negotiation:
         self, code: int, detail: str, *, kernel_errno: int | None = None
     ) -> Step:
         return self._fall_back(
-            code, f"{detail}: declined with {_name(code)}", declined=True, kernel_errno=kernel_errno
+            code, declined_detail(code, detail), declined=True, kernel_errno=kernel_errno
         )
 
     def _violation(self, detail: str) -> Step:
@@ -499,15 +522,7 @@ class _Negotiation:
 
     def _peer_declined(self, msg: Decline) -> Step:
         self._release()
-        oos = " (out of sync: terminate the link group)" if msg.out_of_sync else ""
-        outcome = FallbackOutcome(
-            reason=int(DeclineReason.PEERDECL),
-            peer_diagnosis=msg.diagnosis,
-            local=False,
-            detail=f"the peer declined with {_name(msg.diagnosis)}{oos}",
-            out_of_sync=msg.out_of_sync,
-        )
-        return self._finish(Step((), outcome))
+        return self._finish(Step((), peer_decline_fallback(msg)))
 
     # ---- shared resource steps ----------------------------------------------------------------
 

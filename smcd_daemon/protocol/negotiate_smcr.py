@@ -94,9 +94,11 @@ from smcd_daemon.protocol.negotiate import (
     SmcdLoopbackOutcome,
     SmcdResources,
     Step,
-    _name,
     _State,
     _wire,
+    declined_detail,
+    local_fallback,
+    peer_decline_fallback,
 )
 from smcd_daemon.protocol.smcr_route import Decline as RouteDecline
 from smcd_daemon.protocol.smcr_route import (
@@ -616,14 +618,7 @@ class _SmcrNegotiation:
         self, code: int, detail: str, *, declined: bool, kernel_errno: int | None = None
     ) -> SmcrStep:
         self._release()
-        outcome = FallbackOutcome(
-            reason=int(code),
-            peer_diagnosis=None,
-            local=True,
-            detail=detail,
-            declined=declined,
-            kernel_errno=kernel_errno,
-        )
+        outcome = local_fallback(code, detail, declined=declined, kernel_errno=kernel_errno)
         send = (self._decline_msg(code),) if declined else ()
         return self._finish(SmcrStep(send, outcome))
 
@@ -631,7 +626,7 @@ class _SmcrNegotiation:
         self, code: int, detail: str, *, kernel_errno: int | None = None
     ) -> SmcrStep:
         return self._fall_back(
-            code, f"{detail}: declined with {_name(code)}", declined=True, kernel_errno=kernel_errno
+            code, declined_detail(code, detail), declined=True, kernel_errno=kernel_errno
         )
 
     def _violation(self, detail: str) -> SmcrStep:
@@ -641,16 +636,8 @@ class _SmcrNegotiation:
 
     def _peer_declined(self, msg: Decline) -> SmcrStep:
         self._release()
-        oos = " (out of sync: terminate the link group)" if msg.out_of_sync else ""
         why = f"; {self._link_failure[1]}" if self._link_failure else ""
-        outcome = FallbackOutcome(
-            reason=int(DeclineReason.PEERDECL),
-            peer_diagnosis=msg.diagnosis,
-            local=False,
-            detail=f"the peer declined with {_name(msg.diagnosis)}{oos}{why}",
-            out_of_sync=msg.out_of_sync,
-        )
-        return self._finish(SmcrStep((), outcome))
+        return self._finish(SmcrStep((), peer_decline_fallback(msg, why)))
 
     # ---- shared resource steps ----------------------------------------------------------------
 
