@@ -1407,7 +1407,19 @@ class HandoffServer:
     def _resume(self, client: _Client, req: m.Resume, fds: list[int]) -> bool:
         """Record a live channel again after a restart. The daemon gets no copy of its DMBs, so
         it shows the byte counts the library reports, and no cursors; the two halves meet in
-        one link group of this daemon's loopback-ism device."""
+        one link group of this daemon's loopback-ism device.
+
+        Only SMC-D channels survive a restart: an SMC-R channel's data moved through the old
+        daemon's queue pairs, so it died with them (the library aborts it) and is refused here
+        rather than recorded as something it is not."""
+        if req.mode is not m.Mode.SMCD:
+            m.close_fds(fds)
+            raise _Refused(
+                m.Error(
+                    ErrorCode.BAD_STATE,
+                    f"RESUME of a {req.mode.name} channel: only SMC-D channels outlive the daemon",
+                )
+            )
         try:
             sock = socket.socket(fileno=fds[0])
         except OSError as e:

@@ -72,3 +72,27 @@ def test_resume_re_registers_a_live_channel(smcd: Smcd) -> None:
     smcd.wait_conns(lambda rs: not any(r["LocalPort"] == port for r in rs))
     for s in (tcp, accepted, listener):
         s.close()
+
+
+def test_resume_refuses_an_smcr_channel(smcd: Smcd) -> None:
+    """An SMC-R channel dies with the daemon that relayed it: RESUME of one is refused (BAD_STATE)
+    and nothing is recorded, instead of showing it as an SMC-D connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    port = tcp.getsockname()[1]
+    resume = m.Resume(78, m.Role.CLIENT, m.Mode.SMCR, 16384, 16384)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ctl:
+        ctl.settimeout(5)
+        ctl.connect(os.fspath(smcd.handoff))
+        m.send_message(ctl, resume, [tcp.fileno()])
+        reply, fds = m.recv_message(ctl, requests=False)
+        m.close_fds(fds)
+        assert isinstance(reply, m.Error) and reply.code == m.ErrorCode.BAD_STATE, reply
+        assert "SMCR" in reply.message, reply
+        rows = smcd.wait_conns(lambda rs: True)
+        assert not any(r["LocalPort"] == port for r in rows), rows
+    tcp.send(b"x")  # the application's TCP socket is untouched
+    assert accepted.recv(1) == b"x"
+    for s in (tcp, accepted, listener):
+        s.close()
