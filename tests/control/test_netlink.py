@@ -7,6 +7,7 @@ the carrier away from ``sva`` as unplugging a cable would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -16,7 +17,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,36 @@ def is_dev(name: str, pred: Callable[[NetDevice], bool]) -> Callable[[DeviceEven
     )
 
 
+def is_event(
+    cls: type, kind: EventKind | None = None, **attrs: object
+) -> Callable[[DeviceEvent], bool]:
+    """An event about a ``cls`` object (of ``kind``, if given) whose attributes equal ``attrs``."""
+    return lambda ev: (
+        isinstance(ev.object, cls)
+        and (kind is None or ev.kind is kind)
+        and all(getattr(ev.object, k) == v for k, v in attrs.items())
+    )
+
+
+@dataclass
+class Watch:
+    inv: DeviceInventory
+    rec: Recorder
+    watcher: NetlinkWatcher
+
+
+@contextlib.asynccontextmanager
+async def watching(pair: Pair) -> AsyncIterator[Watch]:
+    """A started NetlinkWatcher on namespace A feeding a fresh inventory, stopped on exit."""
+    inv = DeviceInventory()
+    w = Watch(inv, Recorder(inv), NetlinkWatcher(inv, netns=pair.ns_a))
+    await w.watcher.start()
+    try:
+        yield w
+    finally:
+        await w.watcher.stop()
+
+
 # -------------------------------------------------------------------------------------------
 
 
@@ -137,196 +168,138 @@ def test_dump_shows_the_veth_with_addresses_routes_and_neighbours(pair: Pair) ->
        "dev", "sva", "nud", "permanent")  # fmt: skip
 
     async def main() -> None:
-        inv = DeviceInventory()
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
-            dev = inv.netdev_by_name("sva")
-            assert dev is not None, [d.name for d in inv.netdevs()]
+        async with watching(pair) as w:
+            dev = w.inv.netdev_by_name("sva")
+            assert dev is not None, [d.name for d in w.inv.netdevs()]
             assert dev.kind == "veth" and dev.mtu == 1500 and dev.admin_up and dev.carrier
             assert dev.operstate is OperState.UP and dev.is_up
             assert dev.mac is not None and len(dev.mac.split(":")) == 6
             assert Address(dev.ifindex, ip("192.0.2.1"), 24) in dev.addresses
             # svb lives in the other namespace: not ours to see.
-            assert inv.netdev_by_name("svb") is None
-            assert {d.name for d in inv.netdevs()} == {"lo", "sva"}
-            lo = inv.netdev_by_name("lo")
+            assert w.inv.netdev_by_name("svb") is None
+            assert {d.name for d in w.inv.netdevs()} == {"lo", "sva"}
+            lo = w.inv.netdev_by_name("lo")
             assert lo is not None and ip("127.0.0.1") in {a.address for a in lo.addresses}
 
-            route = inv.route_to("192.0.2.77")
+            route = w.inv.route_to("192.0.2.77")
             assert route is not None and route.oif == dev.ifindex and route.gateway is None
-            n = inv.neighbour(dev.ifindex, "192.0.2.2")
+            n = w.inv.neighbour(dev.ifindex, "192.0.2.2")
             assert n is not None and n.valid and n.lladdr == "02:00:00:00:00:02"
-            assert watcher.skipped == 0
-        finally:
-            await watcher.stop()
+            assert w.watcher.skipped == 0
 
     run(main())
 
 
 def test_peer_down_and_up_changes_carrier_within_a_second(pair: Pair) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
-            n = len(rec.events)
+        async with watching(pair) as w:
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_b, "link", "set", "svb", "down")
-            ev = await rec.wait(is_dev("sva", lambda d: not d.carrier), since=n)
+            ev = await w.rec.wait(is_dev("sva", lambda d: not d.carrier), since=n)
             assert ev.kind is EventKind.CHANGED
             assert ev.timestamp - t0 < DEADLINE, f"carrier loss seen after {ev.timestamp - t0}s"
-            dev = inv.netdev_by_name("sva")
+            dev = w.inv.netdev_by_name("sva")
             assert dev is not None and not dev.carrier and not dev.is_up
             assert dev.admin_up  # only the peer went down
             assert dev.operstate in (OperState.DOWN, OperState.LOWERLAYERDOWN)
 
-            n = len(rec.events)
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_b, "link", "set", "svb", "up")
-            ev = await rec.wait(is_dev("sva", lambda d: d.carrier and d.is_up), since=n)
+            ev = await w.rec.wait(is_dev("sva", lambda d: d.carrier and d.is_up), since=n)
             assert ev.timestamp - t0 < DEADLINE, f"carrier back seen after {ev.timestamp - t0}s"
-        finally:
-            await watcher.stop()
 
     run(main())
 
 
 def test_address_add_and_remove_within_a_second(pair: Pair) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
+        async with watching(pair) as w:
             new = ip("198.51.100.7")
-            n = len(rec.events)
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_a, "addr", "add", "198.51.100.7/24", "dev", "sva")
-            ev = await rec.wait(
-                lambda e: (
-                    isinstance(e.object, Address)
-                    and e.object.address == new
-                    and e.kind is EventKind.ADDED
-                ),
+            ev = await w.rec.wait(
+                is_event(Address, EventKind.ADDED, address=new),
                 since=n,
             )
             assert ev.timestamp - t0 < DEADLINE
             assert isinstance(ev.object, Address) and ev.object.prefixlen == 24
-            dev_ev = await rec.wait(
+            dev_ev = await w.rec.wait(
                 is_dev("sva", lambda d: new in {a.address for a in d.addresses}), since=n
             )
             assert dev_ev.timestamp - t0 < DEADLINE
             # The kernel adds the prefix route along with the address.
-            await rec.wait(
-                lambda e: (
-                    isinstance(e.object, Route)
-                    and e.object.dst == ipaddress.ip_network("198.51.100.0/24")
-                ),
+            await w.rec.wait(
+                is_event(Route, dst=ipaddress.ip_network("198.51.100.0/24")),
                 since=n,
             )
 
-            n = len(rec.events)
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_a, "addr", "del", "198.51.100.7/24", "dev", "sva")
-            ev = await rec.wait(
-                lambda e: (
-                    isinstance(e.object, Address)
-                    and e.object.address == new
-                    and e.kind is EventKind.REMOVED
-                ),
+            ev = await w.rec.wait(
+                is_event(Address, EventKind.REMOVED, address=new),
                 since=n,
             )
             assert ev.timestamp - t0 < DEADLINE
-            dev = inv.netdev_by_name("sva")
+            dev = w.inv.netdev_by_name("sva")
             assert dev is not None and new not in {a.address for a in dev.addresses}
             assert ip("192.0.2.1") in {a.address for a in dev.addresses}
-        finally:
-            await watcher.stop()
 
     run(main())
 
 
 def test_admin_down_drops_routes_the_kernel_flushes_silently(pair: Pair) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
-            assert inv.route_to("192.0.2.9") is not None
-            n = len(rec.events)
+        async with watching(pair) as w:
+            assert w.inv.route_to("192.0.2.9") is not None
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_a, "link", "set", "sva", "down")
-            ev = await rec.wait(is_dev("sva", lambda d: not d.admin_up), since=n)
+            ev = await w.rec.wait(is_dev("sva", lambda d: not d.admin_up), since=n)
             assert ev.timestamp - t0 < DEADLINE
-            await rec.wait(
-                lambda e: (
-                    isinstance(e.object, Route)
-                    and e.kind is EventKind.REMOVED
-                    and e.object.dst == ipaddress.ip_network("192.0.2.0/24")
-                ),
+            await w.rec.wait(
+                is_event(Route, EventKind.REMOVED, dst=ipaddress.ip_network("192.0.2.0/24")),
                 since=n,
             )
-            assert inv.route_to("192.0.2.9") is None
-        finally:
-            await watcher.stop()
+            assert w.inv.route_to("192.0.2.9") is None
 
     run(main())
 
 
 def test_link_deletion_removes_the_device_and_what_hangs_on_it(pair: Pair) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
-            dev = inv.netdev_by_name("sva")
+        async with watching(pair) as w:
+            dev = w.inv.netdev_by_name("sva")
             assert dev is not None
-            n = len(rec.events)
+            n = len(w.rec.events)
             t0 = await ip_cmd("-n", pair.ns_a, "link", "del", "sva")
-            ev = await rec.wait(
-                lambda e: (
-                    isinstance(e.object, NetDevice)
-                    and e.object.name == "sva"
-                    and e.kind is EventKind.REMOVED
-                ),
+            ev = await w.rec.wait(
+                is_event(NetDevice, EventKind.REMOVED, name="sva"),
                 since=n,
             )
             assert ev.timestamp - t0 < DEADLINE
-            assert inv.netdev_by_name("sva") is None
-            assert inv.addresses(dev.ifindex) == ()
-            assert all(r.oif != dev.ifindex for r in inv.routes())
-            assert all(nb.ifindex != dev.ifindex for nb in inv.neighbours())
-            assert [d.name for d in inv.netdevs()] == ["lo"]
-        finally:
-            await watcher.stop()
+            assert w.inv.netdev_by_name("sva") is None
+            assert w.inv.addresses(dev.ifindex) == ()
+            assert all(r.oif != dev.ifindex for r in w.inv.routes())
+            assert all(nb.ifindex != dev.ifindex for nb in w.inv.neighbours())
+            assert [d.name for d in w.inv.netdevs()] == ["lo"]
 
     run(main())
 
 
 def test_new_link_appears(pair: Pair) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
-            n = len(rec.events)
+        async with watching(pair) as w:
+            n = len(w.rec.events)
             t0 = await ip_cmd(
                 "-n", pair.ns_a, "link", "add", "sx", "type", "veth", "peer", "name", "sy"
             )
-            ev = await rec.wait(
-                lambda e: (
-                    isinstance(e.object, NetDevice)
-                    and e.object.name == "sx"
-                    and e.kind is EventKind.ADDED
-                ),
+            ev = await w.rec.wait(
+                is_event(NetDevice, EventKind.ADDED, name="sx"),
                 since=n,
             )
             assert ev.timestamp - t0 < DEADLINE
             assert isinstance(ev.object, NetDevice) and ev.object.kind == "veth"
             assert not ev.object.admin_up
-            await rec.wait(lambda e: isinstance(e.object, NetDevice) and e.object.name == "sy")
-        finally:
-            await watcher.stop()
+            await w.rec.wait(lambda e: isinstance(e.object, NetDevice) and e.object.name == "sy")
 
     run(main())
 
@@ -400,19 +373,15 @@ def test_garbage_and_spoofing_on_the_netlink_socket_are_survived(
     pair: Pair, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
-        inv = DeviceInventory()
-        rec = Recorder(inv)
-        watcher = NetlinkWatcher(inv, netns=pair.ns_a)
-        await watcher.start()
-        try:
+        async with watching(pair) as w:
             # Junk through the message handler: logged and skipped.
             for junk in JUNK:
-                watcher.handle_message(junk)
-            assert watcher.skipped == len(JUNK)
+                w.watcher.handle_message(junk)
+            assert w.watcher.skipped == len(JUNK)
 
             # Junk and a forged link from another process straight onto the event socket (root
             # may unicast to any netlink port of its namespace).
-            portid = watcher.event_portid
+            portid = w.watcher.event_portid
             assert portid is not None and portid > 0
             proc = await asyncio.create_subprocess_exec(
                 "ip", "netns", "exec", pair.ns_a, sys.executable, "-c", GARBAGE_SENDER,
@@ -422,22 +391,20 @@ def test_garbage_and_spoofing_on_the_netlink_socket_are_survived(
             assert proc.returncode == 0, err.decode()
             sent = int(out)
             for _ in range(50):
-                if watcher.rejected >= sent:
+                if w.watcher.rejected >= sent:
                     break
                 await asyncio.sleep(0.02)
-            assert watcher.rejected == sent
-            assert inv.netdev_by_name("evil0") is None and inv.netdev(4242) is None
-            assert watcher.resyncs == 0
+            assert w.watcher.rejected == sent
+            assert w.inv.netdev_by_name("evil0") is None and w.inv.netdev(4242) is None
+            assert w.watcher.resyncs == 0
 
             # Still following the kernel.
-            n = len(rec.events)
+            n = len(w.rec.events)
             await ip_cmd("-n", pair.ns_a, "addr", "add", "203.0.113.5/24", "dev", "sva")
-            await rec.wait(
+            await w.rec.wait(
                 lambda e: isinstance(e.object, Address) and e.object.address == ip("203.0.113.5"),
                 since=n,
             )
-        finally:
-            await watcher.stop()
 
     with caplog.at_level(logging.WARNING):
         run(main())
