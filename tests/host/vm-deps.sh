@@ -25,24 +25,5 @@ PKGS=(
   gcc-12 make patch xz-utils binutils libelf1
 )
 
-missing=()
-for p in "${PKGS[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
-fi
-
-if [ "$(id -u)" -ne 0 ]; then
-  echo "vm-deps: missing Debian packages: ${missing[*]}" >&2
-  echo "vm-deps: run as root, or: sudo apt-get install ${missing[*]}" >&2
-  exit 1
-fi
-
-echo "vm-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/apt-lib.sh"
+apt_install_missing vm-deps "${PKGS[@]}"
