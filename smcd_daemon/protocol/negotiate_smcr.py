@@ -328,8 +328,9 @@ class SmcrResources(Protocol):
 
     def allocate_rmb(self, lgr_id: int, link_id: int, size: int) -> RmbGrant: ...
 
-    def release_rmb(self, alert_token: int) -> None:
-        """Give back the RMB granted with this alert token."""
+    def release_rmb(self, grant: RmbGrant) -> None:
+        """Give back an RMB :meth:`allocate_rmb` granted (the grant itself, as it was returned:
+        the resource layer may need more of it than the alert token)."""
         ...
 
 
@@ -590,7 +591,7 @@ class _SmcrNegotiation:
         """Undo what this negotiation took: our RMB and a link group we created."""
         if self._rmb is not None:
             with contextlib.suppress(SmcError):
-                self.resources.release_rmb(self._rmb.alert_token)
+                self.resources.release_rmb(self._rmb)
             self._rmb = None
         if self._new_lgr is not None:
             with contextlib.suppress(SmcError):
@@ -730,12 +731,16 @@ class ClientSmcrNegotiation(_SmcrNegotiation):
         f = self.facts
         if not f.smcr_v1:
             self.why_not.append("SMC-Rv1 is disabled here (modes.smcr_v1)")
-        elif f.ip_prefixes is None:
-            self.why_not.append("SMC-Rv1: the connection's IP subnet is unknown")
         else:
+            # the kernel looks for the device first and sets the Proposal's prefix afterwards
             got = choose_smcr_v1(f.ports, f.vlan_id, f.routing)
             if isinstance(got, RouteDecline):
                 self.why_not.append(f"SMC-Rv1: {got.explanation}")
+            elif f.ip_prefixes is None:
+                self.why_not.append(
+                    f"SMC-Rv1: no address of the connection's interface has a subnet containing "
+                    f"its source {f.local_addr}, so the Proposal can carry no IP prefix"
+                )
             else:
                 self.choice_v1 = got
         if not f.smcr_v2:

@@ -254,8 +254,8 @@ class Host:
         self.rmbs[t] = rmb
         return rmb
 
-    def release_rmb(self, alert_token: int) -> None:
-        del self.rmbs[alert_token]
+    def release_rmb(self, grant: Rmb) -> None:
+        del self.rmbs[grant.alert_token]
 
     # ---- what the link group layer does with an outcome --------------------------------------
     def commit(self, o: SmcrOutcome) -> list[Output]:
@@ -956,7 +956,7 @@ def _drive_to_end(
         assert _state(*hosts) == before
     else:  # the mutation still was a valid message: undo what the success took
         owner = next(h for h in hosts if out.alert_token in h.rmbs)
-        owner.release_rmb(out.alert_token)
+        owner.release_rmb(owner.rmbs[out.alert_token])
         if out.first_contact:
             owner.discard_link_group(out.lgr_id)
         assert _state(*hosts) == before
