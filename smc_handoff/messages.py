@@ -326,9 +326,12 @@ FD_NAMES: Mapping[MessageType, tuple[str, ...]] = {
 """The exact descriptor list of each message type, in ``SCM_RIGHTS`` order."""
 
 
+_DMB_SIZES = frozenset(_SMCD_MIN_DMB << n for n in range(7))
+
+
 def valid_dmb_size(size: int) -> bool:
     """True for the SMC-D DMB sizes: 16 KiB << n, n = 0..6 (as ``_ring.DMB_SIZES``)."""
-    return any(size == _SMCD_MIN_DMB << n for n in range(7))
+    return size in _DMB_SIZES
 
 
 # --- field helpers ----------------------------------------------------------------------------
@@ -361,6 +364,10 @@ def _str16(value: str) -> bytes:
     return struct.pack("!H", len(raw)) + raw
 
 
+_STRUCTS: dict[str, struct.Struct] = {}
+"""Compiled body layouts, by format (a handful; every handoff parses a few)."""
+
+
 class _Reader:
     """Strict cursor over a body: every read is bounds-checked, leftovers are an error."""
 
@@ -370,7 +377,9 @@ class _Reader:
         self.what = what
 
     def take(self, fmt: str) -> tuple[int, ...]:
-        st = struct.Struct("!" + fmt)
+        st = _STRUCTS.get(fmt)
+        if st is None:
+            st = _STRUCTS[fmt] = struct.Struct("!" + fmt)
         if self.pos + st.size > len(self.data):
             raise HandoffProtocolError(
                 f"{self.what}: body truncated at byte {self.pos} (need {st.size} more)"
@@ -682,6 +691,9 @@ _CLASSES: dict[MessageType, type[Message]] = {
 }
 
 
+_CLASSES_BY_VALUE: dict[int, type[Message]] = {int(t): c for t, c in _CLASSES.items()}
+
+
 def daemon_unavailable(detail: str) -> Fallback:
     """The fallback reported when no (trustworthy) daemon answered."""
     return Fallback(
@@ -727,11 +739,12 @@ def decode(data: bytes) -> Message:
         raise HandoffProtocolError(f"bad magic {magic!r} (expected {MAGIC!r})")
     if version != VERSION:
         raise HandoffVersionError(version)
-    if mtype not in MessageType._value2member_map_:
+    cls = _CLASSES_BY_VALUE.get(mtype)
+    if cls is None:
         raise HandoffProtocolError(
             f"unknown message type 0x{mtype:02x}", ErrorCode.UNSUPPORTED_TYPE
         )
-    what = MessageType(mtype).name
+    what = cls.TYPE.name
     if flags:
         raise HandoffProtocolError(f"{what}: reserved header flags 0x{flags:04x} must be 0")
     if length != len(data) - HEADER.size:
@@ -740,7 +753,7 @@ def decode(data: bytes) -> Message:
         )
     r = _Reader(bytes(data[HEADER.size :]), what)
     try:
-        msg = _CLASSES[MessageType(mtype)].parse(r)
+        msg = cls.parse(r)
     except ValueError as e:  # a field out of range, reported by the dataclass checks
         raise _field_error(what, e) from None
     r.end()
@@ -787,6 +800,9 @@ def send_message(sock: socket.socket, msg: Message, fds: Sequence[int] = ()) -> 
         raise HandoffProtocolError(f"short send of {msg.TYPE.name}: {sent}/{len(data)} bytes")
 
 
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
 def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], bool]:
     """Every descriptor in the ancillary data, and whether something else/partial came too."""
     fds: list[int] = []
@@ -808,11 +824,7 @@ def recv_message(sock: socket.socket, *, requests: bool) -> tuple[Message, list[
     received descriptor is closed before :class:`HandoffProtocolError` is raised; EOF raises
     :class:`HandoffClosedError`. Socket errors (timeouts included) propagate unchanged.
     """
-    data, ancillary, flags, _ = sock.recvmsg(
-        MAX_MESSAGE + 1,
-        socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize),
-        socket.MSG_CMSG_CLOEXEC,
-    )
+    data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
     fds, odd = _fds_from(ancillary)
     try:
         if not data and not ancillary:
@@ -842,24 +854,42 @@ def recv_message(sock: socket.socket, *, requests: bool) -> tuple[Message, list[
 
 
 def handoff_socket_candidates(env: Mapping[str, str] | None = None) -> list[Path]:
-    """Paths to try, in order (see the module docstring)."""
+    """Paths to try, in order (see the module docstring). Every handoff asks, so the answer is
+    remembered per (environment values, uid)."""
     env = os.environ if env is None else env
     override = env.get("SMCD_HANDOFF_SOCKET", "")
-    if override:
-        return [Path(override)]
     xdg = env.get("XDG_RUNTIME_DIR", "")
+    key = (override, xdg, os.getuid())
+    known = _CANDIDATES.get(key)
+    if known is None:
+        known = _candidates(override, xdg)
+        if len(_CANDIDATES) >= 16:
+            _CANDIDATES.clear()
+        _CANDIDATES[key] = known
+    return list(known)
+
+
+_CANDIDATES: dict[tuple[str, str, int], tuple[Path, ...]] = {}
+
+
+def _candidates(override: str, xdg: str) -> tuple[Path, ...]:
+    if override:
+        return (Path(override),)
     if xdg.startswith("/"):
         user = Path(xdg) / "smcd" / "handoff.sock"
     else:
         user = Path(tempfile.gettempdir()) / f"smcd-{os.getuid()}" / "handoff.sock"
-    return [user] if user == SYSTEM_HANDOFF_SOCKET else [user, SYSTEM_HANDOFF_SOCKET]
+    return (user,) if user == SYSTEM_HANDOFF_SOCKET else (user, SYSTEM_HANDOFF_SOCKET)
 
 
 def handoff_timeout(env: Mapping[str, str] | None = None) -> float:
     """:data:`HANDOFF_TIMEOUT`, or ``$SMCD_HANDOFF_TIMEOUT`` when it is a positive number."""
     env = os.environ if env is None else env
+    raw = env.get("SMCD_HANDOFF_TIMEOUT", "")
+    if not raw:
+        return HANDOFF_TIMEOUT
     try:
-        value = float(env.get("SMCD_HANDOFF_TIMEOUT", ""))
+        value = float(raw)
     except ValueError:
         return HANDOFF_TIMEOUT
     return value if 0 < value < 3600 else HANDOFF_TIMEOUT

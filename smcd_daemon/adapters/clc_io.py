@@ -62,9 +62,9 @@ class _Eof(Exception):
     """The peer closed (or reset) the TCP connection."""
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
+def _wake(fut: asyncio.Future[bool], ready: bool) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(ready)
 
 
 class BorrowedTcp:
@@ -85,10 +85,13 @@ class BorrowedTcp:
                 raise BorrowedTcpError(f"not an IP socket (family {sock.family!r})")
             if sock.type != socket.SOCK_STREAM:
                 raise BorrowedTcpError(f"not a stream socket (type {sock.type!r})")
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                raise BorrowedTcpError("a listening socket, not a connected one")
             self.local = sock.getsockname()
-            self.peer = sock.getpeername()
+            try:
+                self.peer = sock.getpeername()  # ENOTCONN for a listening socket too
+            except OSError:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    raise BorrowedTcpError("a listening socket, not a connected one") from None
+                raise
             self.inode = os.fstat(sock.fileno()).st_ino
         except OSError as e:
             sock.close()
@@ -98,30 +101,52 @@ class BorrowedTcp:
             raise
         self.fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
+        self._reading = False  # our reader is registered with the loop
+        self._reader: asyncio.Future[bool] | None = None
 
     def close(self) -> None:
         """Give our copy back (the application's descriptor stays open)."""
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self.fd)
         self.sock.close()
 
     # -- readiness --------------------------------------------------------------------------
 
     async def _wait(self, *, write: bool, timeout: float) -> bool:
-        """Wait until the socket is readable/writable; False on timeout."""
-        fut: asyncio.Future[None] = self._loop.create_future()
-        add, remove = (
-            (self._loop.add_writer, self._loop.remove_writer)
-            if write
-            else (self._loop.add_reader, self._loop.remove_reader)
-        )
-        add(self.fd, _wake, fut)
+        """Wait until the socket is readable/writable; False on timeout. (One future and one
+        timer handle: cheaper than ``asyncio.timeout``, and this runs on every handshake.)
+
+        The reader stays registered from the first read wait to :meth:`close` (a handshake waits
+        for reading two or three times; registering costs two ``epoll_ctl`` calls each time):
+        readiness that nobody waits for unregisters it again (:meth:`_readable`), so bytes left
+        in the socket never make the loop spin."""
+        loop = self._loop
+        fut: asyncio.Future[bool] = loop.create_future()
+        if write:
+            loop.add_writer(self.fd, _wake, fut, True)
+        else:
+            if not self._reading:
+                loop.add_reader(self.fd, self._readable)
+                self._reading = True
+            self._reader = fut
+        timer = loop.call_later(max(timeout, 0.0), _wake, fut, False)
         try:
-            async with asyncio.timeout(max(timeout, 0.0)):
-                await fut
-            return True
-        except TimeoutError:
-            return False
+            return await fut
         finally:
-            remove(self.fd)
+            timer.cancel()
+            if write:
+                loop.remove_writer(self.fd)
+            else:
+                self._reader = None
+
+    def _readable(self) -> None:
+        fut, self._reader = self._reader, None
+        if fut is None:
+            self._loop.remove_reader(self.fd)  # nobody waits: no more wake-ups until one does
+            self._reading = False
+        elif not fut.done():
+            fut.set_result(True)
 
     # -- I/O ----------------------------------------------------------------------------------
 
@@ -143,8 +168,21 @@ class BorrowedTcp:
 
     async def read_exactly(self, n: int, timeout: float) -> bytes:
         """Exactly ``n`` bytes (never more); :class:`TimeoutError` or :class:`_Eof`."""
+        try:  # the common case: the whole message is there already
+            chunk = self.sock.recv(n, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            chunk = None
+        except OSError as e:
+            if e.errno in _EOF_ERRNOS:
+                raise _Eof from e
+            raise
+        if chunk is not None:
+            if not chunk:
+                raise _Eof
+            if len(chunk) == n:
+                return chunk
         deadline = time.monotonic() + timeout
-        buf = bytearray()
+        buf = bytearray(chunk or b"")
         while len(buf) < n:
             try:
                 chunk = self.sock.recv(n - len(buf), _DONTWAIT)
@@ -162,8 +200,18 @@ class BorrowedTcp:
         return bytes(buf)
 
     async def write_all(self, data: bytes, timeout: float) -> None:
+        try:  # the common case: a handshake message fits the send buffer at once
+            sent = self.sock.send(data, _SEND_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            if e.errno in _EOF_ERRNOS:
+                raise _Eof from e
+            raise
+        if sent == len(data):
+            return
         deadline = time.monotonic() + timeout
-        view = memoryview(data)
+        view = memoryview(data)[sent:]
         while view:
             try:
                 sent = self.sock.send(view, _SEND_FLAGS)

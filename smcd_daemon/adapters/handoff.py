@@ -53,9 +53,13 @@ Release
 Hot path
     A handoff costs the daemon a few event-loop turns; what is not needed for the reply stays off
     it: registry records are published only for connections that live :data:`PUBLISH_DELAY`
-    (short request/response connections are counted, never exported on D-Bus), the registry and
-    link-group bookkeeping follows the CHANNEL reply, DMBs are zeroed on release rather than on
-    reuse, addresses are normalised once (cached), per-user counts are kept rather than counted,
+    (short request/response connections are counted, never exported on D-Bus); the registry and
+    link-group bookkeeping, notices and a hung-up half's release are deferred by
+    :data:`DEFER_DELAY` (in order, in batches), so the next handshake goes first; DMBs are zeroed
+    on release rather than on reuse and their header views are mapped on first read; a
+    connection past its first request is watched by a reader callback, not a task; negotiation
+    facts, our Proposal (and its bytes), CLC headers and peers' Proposals are parsed or built
+    once; addresses are normalised once (cached); per-user counts are kept rather than counted,
     and idle connections cost the cursor refresh only a comparison of header words.
 SMC-R
     Tried only when the daemon hands this server an SMC-R provider (it has one only with
@@ -89,13 +93,12 @@ import os
 import socket
 import stat
 import struct
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
@@ -168,6 +171,20 @@ connection that is gone again before then (a short request/response connection) 
 counted, never exported."""
 
 
+PUBLISH_MAX = 128
+"""Records published per timer run; more wait :data:`PUBLISH_PACE` (a steady flow of D-Bus
+signals instead of bursts of thousands when many connections open at once)."""
+PUBLISH_PACE = 0.005
+DEFER_DELAY = 0.002
+"""Bookkeeping that no reply waits for — a channel's registry record and counters, notices,
+a hung-up half's release — runs this much later, in batches: the handshakes that arrive
+meanwhile (the next connection of a client that just closed one) go first. A handshake short of
+DMB quota runs the pending releases at once (``LoopbackIsm.reclaim``), so limits see released
+buffers exactly as before."""
+DEFER_MAX = 256
+"""Deferred calls that are run at once, whatever the delay (bounded memory under load)."""
+
+
 SmcrProvider = Callable[[], "SmcrService | None"]
 """Gives the SMC-R service when SMC-R may be tried now (modes on, an ACTIVE RDMA port), else
 None; the daemon builds the service on first use."""
@@ -208,12 +225,15 @@ class HandoffStats:
         return dict(self.__dict__)
 
 
+_UCRED = struct.Struct("3i")
+
+
 def peer_cred(sock: socket.socket) -> PeerCred | None:
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     except OSError:
         return None
-    pid, uid, gid = struct.unpack("3i", raw)
+    pid, uid, gid = _UCRED.unpack(raw)
     return PeerCred(pid, uid, gid)
 
 
@@ -303,6 +323,10 @@ def _is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool
     return local
 
 
+_NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
+"""What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
+
+
 def _routed_out(
     service: SmcrService,
     local: ipaddress.IPv4Address | ipaddress.IPv6Address,
@@ -318,6 +342,21 @@ def _routed_out(
         return False
     dev = service.routing.netdev(route.oif)
     return dev is not None and dev.name != "lo"
+
+
+_IP_TEXTS: dict[int, tuple[object, str, bool]] = {}
+
+
+def _ip_text(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[str, bool]:
+    """``(str(ip), ip.is_loopback)``, remembered per address object (endpoints share them)."""
+    known = _IP_TEXTS.get(id(ip))
+    if known is not None and known[0] is ip:
+        return known[1], known[2]
+    if len(_IP_TEXTS) >= 4096:
+        _IP_TEXTS.clear()
+    text, lo = str(ip), ip.is_loopback
+    _IP_TEXTS[id(ip)] = (ip, text, lo)
+    return text, lo
 
 
 # -- DMB views --------------------------------------------------------------------------------
@@ -370,14 +409,13 @@ class _DmbView:
         return (w[0], w[1], w[2], w[3])
 
     @staticmethod
-    def header(words: tuple[int, ...]) -> SmcdCdcHeader | None:
-        raw = b"".join(w.to_bytes(8, sys.byteorder) for w in words)
+    def header(words: tuple[int, ...]) -> _Cdc | None:
+        """The header's fields (``SmcdCdcHeader`` layout) as plain ints, None before the peer's
+        first CDC write: one ``struct`` call, no objects (it runs on every close)."""
+        raw = _WORDS.pack(*words)
         if raw[0] != 0xFE:
             return None  # nothing written yet
-        try:
-            return SmcdCdcHeader.decode(raw)
-        except SmcError:
-            return None
+        return _Cdc(*_CDC.unpack(raw))
 
     def close(self) -> None:
         if self._addr is not None and _libc is not None:
@@ -385,10 +423,30 @@ class _DmbView:
             _libc.munmap(addr, mmap.PAGESIZE)
 
 
-def _advance(ring: int, old: Cursor, new: Cursor) -> int:
-    """Bytes from ``old`` to ``new`` in a ring of ``ring`` bytes, any number of wraps apart (the
-    refresh runs often enough that the 16-bit wrap counter cannot lap)."""
-    delta = ((new.wrap - old.wrap) & 0xFFFF) * ring + new.count - old.count
+_WORDS = struct.Struct("=4Q")
+_CDC = struct.Struct("=B7xHI2xHIBB8x")
+"""``struct smcd_cdc_msg`` in host order (see :class:`SmcdCdcHeader`): type, prod wrap/count,
+cons wrap/count, prod flags, conn state flags."""
+assert _CDC.size == SmcdCdcHeader.SIZE
+_ABORT = int(ConnStateFlag.PEER_CONN_ABORT)
+_CLOSING = int(ConnStateFlag.PEER_CONN_CLOSED | ConnStateFlag.PEER_DONE_WRITING)
+
+
+class _Cdc(NamedTuple):
+    type: int
+    prod_wrap: int
+    prod_count: int
+    cons_wrap: int
+    cons_count: int
+    prod_flags: int
+    conn_state_flags: int
+
+
+def _advance(ring: int, old: tuple[int, int], new_wrap: int, new_count: int) -> int:
+    """Bytes from cursor ``old`` (wrap, count) to the new one in a ring of ``ring`` bytes, any
+    number of wraps apart (the refresh runs often enough that the 16-bit wrap counter cannot
+    lap)."""
+    delta = ((new_wrap - old[0]) & 0xFFFF) * ring + new_count - old[1]
     return delta if 0 <= delta < 0x8000 * ring else 0
 
 
@@ -404,13 +462,21 @@ class _Pair:
     ev: dict[ConnRole, int]  # the eventfd each half sleeps on
     link: dict[ConnRole, int]  # each half's end of the peer link
     mem: dict[int, int]  # DMB token → the pool's memfd (DMB + control trailer) handed out
-    views: dict[int, _DmbView]  # DMB token → the daemon's read-only view of its header
+    views: dict[int, _DmbView]
+    """DMB token → the daemon's read-only view of its header, mapped on first use (the refresh
+    or the hang-up reads it; the handshake never does)."""
     taken: set[ConnRole] = field(default_factory=set)
     released: set[ConnRole] = field(default_factory=set)
     pending: list[tuple[str, int]] = field(default_factory=list)
     """DMB releases ("unregister"/"detach", token) of halves that let go before the pair was
     complete: a client may close before the server half has even attached its DMB."""
     timer: asyncio.TimerHandle | None = None
+
+    def view(self, token: int) -> _DmbView:
+        view = self.views.get(token)
+        if view is None:
+            view = self.views[token] = _DmbView(self.mem[token])
+        return view
 
     def close_shared(self) -> None:
         """Close the daemon's copies of the eventfds and any peer-link end not handed out."""
@@ -441,16 +507,10 @@ class _Half:
     rx_size: int
     tx_size: int
     pair: _Pair | None = None
-    rx_view: _DmbView | None = None
-    tx_view: _DmbView | None = None
-    rx_cons: Cursor = field(default_factory=Cursor)
-    tx_prod: Cursor = field(default_factory=Cursor)
+    rx_cons: tuple[int, int] = (0, 0)  # (wrap, count) last seen
+    tx_prod: tuple[int, int] = (0, 0)
     seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # header words last refreshed
     closed: bool = False
-
-    def close_views(self) -> None:
-        """Stop reading the headers (the views belong to the pair, which closes them)."""
-        self.rx_view = self.tx_view = None
 
 
 @dataclass(eq=False)
@@ -471,6 +531,7 @@ class _Client:
     half: _Half | None = None
     listener: _Listener | None = None
     smcr_conn: int | None = None  # an SMC-R connection's id (the service tracks the rest)
+    watched_done: bool = False  # released and closed (see ``HandoffServer._end_client``)
 
     def __post_init__(self) -> None:
         if self.cred is not None:
@@ -480,6 +541,13 @@ class _Client:
     def label(self) -> str:
         """Who this is, for log messages (built only when a message is logged)."""
         return str(self.cred) if self.cred is not None else "unknown peer"
+
+
+_Draft = dict[str, Any]
+"""Keyword arguments of a :class:`Connection` known before the handshake's outcome."""
+_ZERO = Cursor()
+_ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
+"""Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
 
 
 class _Refused(Exception):
@@ -529,6 +597,7 @@ class HandoffServer:
                 self._inode = os.lstat(self.path).st_ino
         self.stats = HandoffStats()
         self.cfg = config
+        self._facts_cache: dict[tuple[int, bool], NegotiationFacts] = {}
         self.registry = registry if registry is not None else Registry()
         self.eids = eids if eids is not None else EidTable()
         self.pool = DmbPool.from_config(config)
@@ -551,6 +620,9 @@ class HandoffServer:
         self._unpublished: dict[int, Connection] = {}
         self._due: dict[int, float] = {}  # conn_id → when it is published (insertion = due order)
         self._publish_timer: asyncio.TimerHandle | None = None
+        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._later_timer: asyncio.TimerHandle | None = None
+        self.loopback.reclaim = self._run_later  # a DMB short of quota: run the releases first
         self._refresher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
@@ -562,6 +634,7 @@ class HandoffServer:
     def configure(self, config: Any) -> None:
         """A reloaded configuration: quotas, timeouts, modes and peers apply to new handshakes."""
         self.cfg = config
+        self._facts_cache.clear()
         self.pool.user_max_bytes = config.quota.buffer_bytes
         self.pool.user_max_buffers = config.quota.connections
         self.pool.pool_max_bytes = config.buffers.pool_max_bytes
@@ -590,6 +663,10 @@ class HandoffServer:
             if client.task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await client.task
+        for client in list(self._clients):  # those watched past their first request
+            with contextlib.suppress(Exception):
+                self._end_client(client)
+        self._run_later()
         for pair in list(self._pairs.values()):
             pair.close_all()
         self._pairs.clear()
@@ -683,6 +760,10 @@ class HandoffServer:
         return True
 
     async def _client_loop(self, client: _Client) -> None:
+        """The first request, to its reply. A connection that then holds something (a channel
+        half, a listener, a resumed record) is watched by :meth:`_on_readable` from there on:
+        notices and the hang-up need no task of their own."""
+        watched = False
         try:
             first = await self._receive(client)
             if first is None:
@@ -698,18 +779,12 @@ class HandoffServer:
                 raise _Refused(
                     m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} cannot open a connection")
                 )
-            while keep:
-                nxt = await self._receive(client)
-                if nxt is None:
-                    return
-                msg, fds = nxt
-                m.close_fds(fds)
-                if client.half is not None and isinstance(msg, m.Shutdown | m.Close):
-                    self._notice(client.half, msg)
-                    continue
-                if client.smcr_conn is not None and isinstance(msg, m.Shutdown | m.Close):
-                    continue  # SMC-R: the daemon sees the close on the peer link it holds
-                raise _Refused(m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now"))
+            if keep:
+                assert self._loop is not None
+                client.task = None
+                # Level-triggered: a notice already queued wakes it on the next loop turn.
+                self._loop.add_reader(client.sock.fileno(), self._on_readable, client)
+                watched = True
         except _Refused as e:
             self._send(client, e.reply)
         except asyncio.CancelledError:
@@ -718,18 +793,75 @@ class HandoffServer:
             self.stats.errors += 1
             log.exception("handoff: unexpected error serving %s; connection closed", client.label)
         finally:
-            self._clients.discard(client)
-            left = self._held.get(client.uid, 1) - 1
-            if left > 0:
-                self._held[client.uid] = left
-            else:
-                self._held.pop(client.uid, None)
+            if not watched:
+                self._end_client(client)
+
+    def _on_readable(self, client: _Client) -> None:
+        """A connection past its first request: SHUTDOWN/CLOSE notices, then the hang-up."""
+        if client.watched_done:
+            return
+        try:
+            while True:
+                try:
+                    msg, fds = m.recv_message(client.sock, requests=True)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except m.HandoffClosedError:
+                    break
+                except m.HandoffProtocolError as e:
+                    self.stats.invalid += 1
+                    log.warning("handoff: invalid request from %s: %s", client.label, e)
+                    self._send(client, m.Error(e.code, _clip(str(e))))
+                    break
+                except OSError as e:
+                    log.info("handoff: %s: connection failed: %s", client.label, e)
+                    break
+                self.stats.requests += 1
+                if fds:
+                    m.close_fds(fds)
+                if isinstance(msg, m.Shutdown | m.Close):
+                    if client.half is not None:
+                        self._defer(self._notice, client.half, msg)
+                        continue
+                    if client.smcr_conn is not None:
+                        continue  # SMC-R: the daemon sees the close on the peer link it holds
+                self._send(
+                    client, m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now")
+                )
+                break
+        except Exception:
+            self.stats.errors += 1
+            log.exception("handoff: unexpected error serving %s; connection closed", client.label)
+        self._end_client(client)
+
+    def _end_client(self, client: _Client) -> None:
+        """The connection is over: release what it held and close it (exactly once)."""
+        if client.watched_done:
+            return
+        client.watched_done = True
+        if client.task is None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(client.sock.fileno())
+        self._clients.discard(client)
+        left = self._held.get(client.uid, 1) - 1
+        if left > 0:
+            self._held[client.uid] = left
+        else:
+            self._held.pop(client.uid, None)
+        try:
             self._hang_up(client)
+        finally:
             client.sock.close()
 
     # -- CONNECT / ACCEPT ---------------------------------------------------------------------
 
     def _facts(self, dmb_hint: int, *, peer_speaks_smc: bool = True) -> NegotiationFacts:
+        """What we offer for this handshake. Facts only change with the configuration (the EID
+        table is shared by reference), so they are built once per (hint, peer) and reused."""
+        key = (dmb_hint, peer_speaks_smc)
+        facts = self._facts_cache.get(key)
+        if facts is not None:
+            return facts
         cfg = self.cfg
         facts = NegotiationFacts.from_config(
             cfg,
@@ -741,6 +873,9 @@ class HandoffServer:
         if dmb_hint:
             size = min(max(dmb_hint, cfg.buffers.min_dmb_size), cfg.buffers.max_dmb_size)
             facts = dataclasses.replace(facts, dmb_size=size)
+        if len(self._facts_cache) >= 64:
+            self._facts_cache.clear()  # hints are the applications' choice: stay bounded
+        self._facts_cache[key] = facts
         return facts
 
     def _peer_speaks_smc(self, peer: Endpoint) -> str | None:
@@ -764,25 +899,25 @@ class HandoffServer:
         quota = self.cfg.quota.connections
         return 2 * quota + 64 if quota else 0
 
-    def _new_connection(self, client: _Client, role: ConnRole, tcp: BorrowedTcp) -> Connection:
-        """The registry record of a handoff (added once its outcome is known: one event)."""
+    def _new_connection(self, client: _Client, role: ConnRole, tcp: BorrowedTcp) -> _Draft:
+        """The fields of a handoff's registry record known up front; the record itself is
+        built once, when the outcome is known (one object, one event)."""
         local, peer = endpoint(tcp.local), endpoint(tcp.peer)
         cred = client.cred
-        conn = Connection(
-            conn_id=self.registry.allocate_conn_id(),
-            role=role,
-            mode=ConnMode.TCP,
-            state=ConnState.INIT,
-            local_addr=str(local[0]),
-            local_port=local[1],
-            peer_addr=str(peer[0]),
-            peer_port=peer[1],
-            netdev="lo" if peer[0].is_loopback else "",
-            uid=cred.uid if cred else 0,
-            pid=cred.pid if cred else 0,
-            inode=tcp.inode,
-        )
-        return conn
+        peer_text, peer_lo = _ip_text(peer[0])
+        return {
+            "conn_id": self.registry.allocate_conn_id(),
+            "role": role,
+            "local_addr": _ip_text(local[0])[0],
+            "local_port": local[1],
+            "peer_addr": peer_text,
+            "peer_port": peer[1],
+            "netdev": "lo" if peer_lo else "",
+            "uid": cred.uid if cred else 0,
+            "pid": cred.pid if cred else 0,
+            "inode": tcp.inode,
+            **_ZERO_CURSORS,
+        }
 
     async def _handoff(self, client: _Client, req: m.Connect | m.Accept, fd: int) -> bool:
         """Run one handoff to its reply; True if the connection now holds a channel half."""
@@ -794,7 +929,7 @@ class HandoffServer:
             log.warning("handoff: %s from %s: %s", req.TYPE.name, client.label, e)
             raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(str(e)))) from None
         try:
-            conn = self._new_connection(client, role, tcp)
+            draft = self._new_connection(client, role, tcp)
         except PairingError as e:
             tcp.close()
             raise _Refused(m.Error(ErrorCode.BAD_FDS, _clip(str(e)))) from None
@@ -818,8 +953,8 @@ class HandoffServer:
             return self._reply_smcr(client, outcome)
         if isinstance(outcome, FallbackOutcome):
             self._drop_pair(key, "the other half fell back")
-            return self._reply_fallback(client, conn, outcome)
-        return self._reply_channel(client, conn, role, key, outcome)  # SMC-D over loopback-ism
+            return self._reply_fallback(client, draft, outcome)
+        return self._reply_channel(client, draft, role, key, outcome)  # SMC-D over loopback-ism
 
     def _smcr_toward(self, tcp: BorrowedTcp) -> SmcrService | None:
         """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
@@ -841,6 +976,19 @@ class HandoffServer:
             self.stats.errors += 1
             log.exception("handoff: the SMC-R service is unavailable; using SMC-D/TCP")
             return None
+
+    def _why_no_smcr(self, tcp: BorrowedTcp) -> str:
+        """Why :meth:`_smcr_toward` did not offer ``tcp`` to SMC-R, in an operator's words (the
+        SMC-D negotiation can only say "no device" to a Proposal that wanted SMC-R)."""
+        modes = self.cfg.modes
+        if not (modes.smcr_v1 or modes.smcr_v2):
+            return "SMC-R is switched off here (modes.smcr_v1 and modes.smcr_v2 are false)"
+        if self.smcr is None:
+            return "this daemon runs without SMC-R"
+        peer = endpoint(tcp.peer)[0]
+        if not any(peer.version == net.version and peer in net for net in self.cfg.peers):
+            return f"the peer {peer} is not in the configuration's peers"
+        return "no RDMA port is ACTIVE (smcctl device), or the peer is reached through loopback"
 
     async def _run_smcr(
         self, client: _Client, hint: int, tcp: BorrowedTcp, service: SmcrService, *, server: bool
@@ -930,12 +1078,20 @@ class HandoffServer:
         if service is not None:
             return await self._run_smcr(client, hint, tcp, service, server=True)
         session = self.loopback.session(client.uid, tcp.local, tcp.peer, server=True)
-        return await drive(ServerNegotiation(self._facts(hint), session), tcp)
+        out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
+        if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
+            # only a Proposal with SMC-R ends so on this path: say why SMC-R was not tried
+            why = self._why_no_smcr(tcp)
+            out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
+        return out
 
-    def _reply_fallback(self, client: _Client, conn: Connection, outcome: FallbackOutcome) -> bool:
+    def _reply_fallback(self, client: _Client, draft: _Draft, outcome: FallbackOutcome) -> bool:
         self.stats.fallbacks += 1
-        conn = dataclasses.replace(
-            conn,
+        code = outcome.reason
+        # The reply first (the application waits for it), the bookkeeping after.
+        self._send(client, fallback_message(code, outcome.detail, outcome.peer_diagnosis))
+        conn = Connection(
+            **draft,
             mode=ConnMode.TCP,
             state=ConnState.ACTIVE,
             fallback_reason=outcome.reason,
@@ -943,7 +1099,6 @@ class HandoffServer:
         )
         self._add(conn)  # counts the fallback in the stats once published
         self._linger(conn.conn_id)
-        code = outcome.reason
         log.info(
             "handoff: %s stays on TCP: %s (0x%08x%s): %s",
             client.label,
@@ -952,7 +1107,6 @@ class HandoffServer:
             "" if outcome.peer_diagnosis is None else f", peer 0x{outcome.peer_diagnosis:08x}",
             outcome.detail,
         )
-        self._send(client, fallback_message(code, outcome.detail, outcome.peer_diagnosis))
         return False
 
     def _linger(self, conn_id: int) -> None:
@@ -980,11 +1134,8 @@ class HandoffServer:
         memfds of both DMBs (sized DMB + control trailer, exactly what the channel maps), two
         eventfds and the peer-link socketpair."""
         mem = {t: self.pool.get(t).fd for t in tokens}
-        views: dict[int, _DmbView] = {}
         fds: list[int] = []
         try:
-            for token, fd in mem.items():
-                views[token] = _DmbView(fd)
             flags = os.EFD_CLOEXEC | os.EFD_NONBLOCK
             ev_c = os.eventfd(0, flags)
             fds.append(ev_c)
@@ -994,8 +1145,6 @@ class HandoffServer:
             link_c, link_s = a.detach(), b.detach()
         except BaseException:
             m.close_fds(fds)
-            for view in views.values():
-                view.close()
             raise
         pair = _Pair(
             key=key,
@@ -1003,7 +1152,7 @@ class HandoffServer:
             ev={ConnRole.CLIENT: ev_c, ConnRole.SERVER: ev_s},
             link={ConnRole.CLIENT: link_c, ConnRole.SERVER: link_s},
             mem=mem,
-            views=views,
+            views={},
         )
         assert self._loop is not None
         wait = self.cfg.timeouts.clc_wait * 2 + 1.0
@@ -1040,12 +1189,12 @@ class HandoffServer:
     def _reply_channel(
         self,
         client: _Client,
-        conn: Connection,
+        draft: _Draft,
         role: ConnRole,
         key: tuple[Endpoint, Endpoint],
         out: SmcdLoopbackOutcome,
     ) -> bool:
-        conn_id = conn.conn_id
+        conn_id = draft["conn_id"]
         tokens = (
             (out.local_token, out.peer_token)
             if role is ConnRole.CLIENT
@@ -1066,7 +1215,6 @@ class HandoffServer:
                 pair = self._make_pair(key, tokens)
             half.pair = pair
             rx_fd, tx_fd = pair.mem[out.local_token], pair.mem[out.peer_token]
-            half.rx_view, half.tx_view = pair.views[out.local_token], pair.views[out.peer_token]
             other = ConnRole.SERVER if role is ConnRole.CLIENT else ConnRole.CLIENT
             fds = [rx_fd, tx_fd, pair.ev[role], pair.ev[other], pair.link[role]]
         except (SmcError, OSError, KeyError) as e:
@@ -1075,12 +1223,12 @@ class HandoffServer:
             self._release_half(half)
             self._drop_pair(key, str(e))
             outcome = FallbackOutcome(int(DeclineReason.INTERR), None, True, f"daemon: {e}")
-            return self._reply_fallback(client, conn, outcome)
+            return self._reply_fallback(client, draft, outcome)
         client.half = half
         self._halves[conn_id] = half
         reply = m.Channel(conn_id, m.Mode.SMCD, half.rx_size, half.tx_size)
         sent = self._send(client, reply, fds)  # first: the application waits for it
-        self._count_channel(half, conn, out)
+        self._defer(self._count_channel, half, draft, out)
         # The half has its end of the peer link (or lost it): ours goes now.
         pair.taken.add(role)
         with contextlib.suppress(OSError):
@@ -1100,7 +1248,7 @@ class HandoffServer:
             )  # fmt: skip
         return True
 
-    def _count_channel(self, half: _Half, conn: Connection, out: SmcdLoopbackOutcome) -> None:
+    def _count_channel(self, half: _Half, draft: _Draft, out: SmcdLoopbackOutcome) -> None:
         reg = self.registry
         lgr_id = out.link_id
         timer = self._lgr_timers.pop(lgr_id, None)
@@ -1127,8 +1275,8 @@ class HandoffServer:
                     negotiated_eid=out.negotiated_eid,
                 )
             )
-        conn = dataclasses.replace(
-            conn,
+        conn = Connection(
+            **draft,
             mode=ConnMode.SMCD,
             state=ConnState.ACTIVE,
             lgr_id=lgr_id,
@@ -1164,17 +1312,20 @@ class HandoffServer:
         if client.half is not None:
             half, client.half = client.half, None
             self._halves.pop(half.conn_id, None)
-            if not half.closed:
-                self._refresh_half(half, publish=False)
-            conn = self._remove(half.conn_id)
-            self._release_half(half)
-            if conn is not None and conn.lgr_id is not None:
-                self._maybe_free_lgr(conn.lgr_id)
+            self._defer(self._release_record, half)
+
+    def _release_record(self, half: _Half) -> None:
+        """A hung-up half's bookkeeping (deferred): last counters, record, DMBs, link group."""
+        if not half.closed:
+            self._refresh_half(half, publish=False)
+        conn = self._remove(half.conn_id)
+        self._release_half(half)
+        if conn is not None and conn.lgr_id is not None:
+            self._maybe_free_lgr(conn.lgr_id)
 
     def _release_half(self, half: _Half) -> None:
         """Let go of this half's DMB and its reference on the peer's; the pool takes a buffer
         back once both halves have let go."""
-        half.close_views()
         ops = []
         if half.local_token is not None:
             ops.append(("unregister", half.local_token))
@@ -1198,6 +1349,34 @@ class HandoffServer:
                 else:
                     self.pool.detach(token)
 
+    # -- deferred bookkeeping -------------------------------------------------------------------
+
+    def _defer(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` soon, after what is waiting now (see :data:`DEFER_DELAY`); deferred
+        calls run in the order they were deferred."""
+        self._later.append((fn, args))
+        if len(self._later) >= DEFER_MAX:
+            self._run_later()
+        elif self._later_timer is None and self._loop is not None:
+            self._later_timer = self._loop.call_later(DEFER_DELAY, self._run_later)
+
+    def _run_later(self) -> bool:
+        """Run every deferred call now; True if there was one."""
+        if self._later_timer is not None:
+            self._later_timer.cancel()
+            self._later_timer = None
+        ran = False
+        while self._later:
+            work, self._later = self._later, []
+            ran = True
+            for fn, args in work:
+                try:
+                    fn(*args)
+                except Exception:
+                    self.stats.errors += 1
+                    log.exception("handoff: deferred %s failed", getattr(fn, "__name__", fn))
+        return ran
+
     # -- registry, batched ----------------------------------------------------------------------
 
     def _add(self, conn: Connection) -> None:
@@ -1208,17 +1387,19 @@ class HandoffServer:
             self._publish_timer = self._loop.call_later(PUBLISH_DELAY, self._publish_due)
 
     def _publish_due(self) -> None:
-        """The timer: publish every connection that is due, then wait for the next one."""
+        """The timer: publish the connections that are due (at most :data:`PUBLISH_MAX` at a
+        time: each is a D-Bus signal, and a burst of thousands overruns the bus socket), then
+        wait for the next one."""
         self._publish_timer = None
         now = time.monotonic()
         due = []
         for conn_id, when in self._due.items():
-            if when > now:
+            if when > now or len(due) >= PUBLISH_MAX:
                 break
             due.append(conn_id)
         self._publish(due)
         if self._due and self._loop is not None:
-            wait = max(next(iter(self._due.values())) - now, 0.001)
+            wait = max(next(iter(self._due.values())) - now, PUBLISH_PACE)
             self._publish_timer = self._loop.call_later(wait, self._publish_due)
 
     def publish(self) -> None:
@@ -1272,6 +1453,7 @@ class HandoffServer:
 
     def _free_lgr(self, lgr_id: int) -> None:
         self._lgr_timers.pop(lgr_id, None)
+        self._run_later()  # a deferred record may still name this link group
         lgr = self.registry.link_group(lgr_id)
         waiting = any(c.lgr_id == lgr_id for c in self._unpublished.values())
         if lgr is None or lgr.conns or self._inflight or waiting:
@@ -1294,6 +1476,7 @@ class HandoffServer:
         while self._halves:
             await asyncio.sleep(REFRESH_INTERVAL)
             self.refresh()
+        self._run_later()  # the last halves' releases, so the pool's state below is final
         st = self.pool.stats()
         log.info(
             "handoff: no SMC connection left; DMB pool: %d buffers in use (%d bytes), "
@@ -1312,9 +1495,14 @@ class HandoffServer:
 
     def _refresh_half(self, half: _Half, *, publish: bool = True) -> None:
         """Read both CDC headers of ``half``: counters always, the record if ``publish``."""
-        if half.rx_view is None or half.tx_view is None:
+        pair = half.pair
+        if pair is None or half.local_token is None or half.peer_token is None:
+            return  # released (or a resumed record: no DMBs of ours)
+        try:
+            words = (pair.view(half.local_token).words(), pair.view(half.peer_token).words())
+        except (OSError, KeyError) as e:
+            log.warning("handoff: connection %d: cannot read its DMB headers: %s", half.conn_id, e)
             return
-        words = (half.rx_view.words(), half.tx_view.words())
         if words == half.seen:
             return  # nothing moved since the last refresh (an idle connection costs no more)
         conn = self._connection(half.conn_id)
@@ -1324,22 +1512,23 @@ class HandoffServer:
         rx_hdr = _DmbView.header(words[0])  # written by the peer: its producer/consumer cursor
         tx_hdr = _DmbView.header(words[1])  # written by this half into the peer's DMB
         changes: dict[str, Any] = {}
-        if rx_hdr is not None:
-            changes["rx_prod"], changes["tx_cons"] = rx_hdr.prod, rx_hdr.cons
+        if rx_hdr is not None and publish:
+            changes["rx_prod"] = Cursor(rx_hdr.prod_wrap, rx_hdr.prod_count)
+            changes["tx_cons"] = Cursor(rx_hdr.cons_wrap, rx_hdr.cons_count)
             flags = rx_hdr.conn_state_flags
-            if flags & ConnStateFlag.PEER_CONN_ABORT and conn.state is not ConnState.PROCESSABORT:
+            if flags & _ABORT and conn.state is not ConnState.PROCESSABORT:
                 changes["state"] = ConnState.PEERABORTWAIT
-            elif (
-                flags & (ConnStateFlag.PEER_CONN_CLOSED | ConnStateFlag.PEER_DONE_WRITING)
-                and conn.state is ConnState.ACTIVE
-            ):
+            elif flags & _CLOSING and conn.state is ConnState.ACTIVE:
                 changes["state"] = ConnState.APPCLOSEWAIT1
         sent = received = 0
         if tx_hdr is not None:
-            changes["tx_prod"], changes["rx_cons"] = tx_hdr.prod, tx_hdr.cons
-            sent = _advance(half.tx_size - 32, half.tx_prod, tx_hdr.prod)
-            received = _advance(half.rx_size - 32, half.rx_cons, tx_hdr.cons)
-            half.tx_prod, half.rx_cons = tx_hdr.prod, tx_hdr.cons
+            prod = (tx_hdr.prod_wrap, tx_hdr.prod_count)
+            cons = (tx_hdr.cons_wrap, tx_hdr.cons_count)
+            if publish:
+                changes["tx_prod"], changes["rx_cons"] = Cursor(*prod), Cursor(*cons)
+            sent = _advance(half.tx_size - 32, half.tx_prod, *prod)
+            received = _advance(half.rx_size - 32, half.rx_cons, *cons)
+            half.tx_prod, half.rx_cons = prod, cons
         if sent:
             changes["bytes_sent"] = conn.bytes_sent + sent
         if received:

@@ -67,7 +67,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, Protocol
 
@@ -80,6 +80,7 @@ from smcd_daemon.wire.clc import (
     SMCD_EYECATCHER,
     SMCR_EYECATCHER,
     Accept,
+    ClcHeader,
     ClcMessage,
     ClcType,
     Confirm,
@@ -285,9 +286,13 @@ class Step:
 
     send: tuple[ClcMessage, ...] = ()
     outcome: Outcome | None = None
+    raw: bytes | None = field(default=None, compare=False, repr=False)
+    """``send`` already encoded (set when it came from a cache), else None."""
 
     @property
     def data(self) -> bytes:
+        if self.raw is not None:
+            return self.raw
         return b"".join(m.encode() for m in self.send)
 
 
@@ -361,6 +366,13 @@ def peer_decline_fallback(msg: Decline, extra: str = "") -> FallbackOutcome:
     )
 
 
+_HEADERS: dict[bytes, ClcHeader] = {}
+"""Valid 8-byte CLC headers seen before, parsed (a handful: type, length and version repeat)."""
+_DECODED_PROPOSALS: dict[bytes, Proposal] = {}
+"""Proposals by their bytes: clients of one host send the same few byte-for-byte (ours are
+cached too), and a decoded message is frozen, so the parse is done once per distinct one."""
+
+
 class ClcFramer:
     """Reads one CLC message at a time from the TCP byte stream, never more than it needs: the
     8-byte header first (what the kernel's ``smc_clc_wait_msg`` MSG_PEEKs), then the length the
@@ -385,10 +397,16 @@ class ClcFramer:
         if len(self._buf) < CLC_HEADER_LEN:
             return None
         if len(self._buf) == CLC_HEADER_LEN and not self._length:
-            try:
-                hdr = peek_header(self._buf)
-            except ProtocolError as exc:
-                return f"bad CLC header: {exc}"
+            head = bytes(self._buf)
+            hdr = _HEADERS.get(head)
+            if hdr is None:
+                try:
+                    hdr = peek_header(head)
+                except ProtocolError as exc:
+                    return f"bad CLC header: {exc}"
+                if len(_HEADERS) >= 64:
+                    _HEADERS.clear()
+                _HEADERS[head] = hdr
             if hdr.type not in (expect, ClcType.DECLINE):
                 return f"expected {expect.name} or DECLINE, got {hdr.type.name}"
             self._length = hdr.length
@@ -397,10 +415,19 @@ class ClcFramer:
         raw = bytes(self._buf)
         self._buf.clear()
         self._length = 0
+        if expect is ClcType.PROPOSAL:
+            known = _DECODED_PROPOSALS.get(raw)
+            if known is not None:
+                return known
         try:
-            return decode(raw)
+            msg = decode(raw)
         except ProtocolError as exc:
             return f"malformed {expect.name}: {exc}"
+        if isinstance(msg, Proposal):
+            if len(_DECODED_PROPOSALS) >= 16:
+                _DECODED_PROPOSALS.clear()
+            _DECODED_PROPOSALS[raw] = msg
+        return msg
 
 
 class _Negotiation:
@@ -611,6 +638,11 @@ class _Negotiation:
         return self._finish(Step(send, outcome))
 
 
+_PROPOSALS: dict[tuple[object, ...], tuple[Proposal, bytes]] = {}
+"""A client's Proposal depends only on the EIDs and the device offered: built and encoded once
+per combination (frozen messages, so sharing them is safe)."""
+
+
 class ClientNegotiation(_Negotiation):
     """The connecting side: Proposal → Accept (or Decline) → Confirm."""
 
@@ -638,20 +670,27 @@ class ClientNegotiation(_Negotiation):
         eids = self.facts.eids
         seid = eids.seid if eids.seid_enabled and eids.seid else ""
         assert self.facts.loopback is not None
-        self.proposal = Proposal(
-            typev1=SmcType.N,
-            typev2=SmcType.D,
-            version=2,
-            v2_ext=V2Extension(
-                eids=eids.ueids,
-                release=SMC_RELEASE,
-                seid_indicator=eids.seid_enabled,
-                feature_mask=SMC_FEATURE_MASK,
-            ),
-            smcd_v2_ext=SmcdV2Extension(seid=seid, devices=(self.facts.loopback,)),
-        )
+        key = (eids.ueids, seid, eids.seid_enabled, self.facts.loopback)
+        cached = _PROPOSALS.get(key)
+        if cached is None:
+            proposal = Proposal(
+                typev1=SmcType.N,
+                typev2=SmcType.D,
+                version=2,
+                v2_ext=V2Extension(
+                    eids=eids.ueids,
+                    release=SMC_RELEASE,
+                    seid_indicator=eids.seid_enabled,
+                    feature_mask=SMC_FEATURE_MASK,
+                ),
+                smcd_v2_ext=SmcdV2Extension(seid=seid, devices=(self.facts.loopback,)),
+            )
+            if len(_PROPOSALS) >= 16:
+                _PROPOSALS.clear()
+            cached = _PROPOSALS[key] = (proposal, proposal.encode())
+        self.proposal = cached[0]
         self._state = _State.WAIT
-        return Step((self.proposal,))
+        return Step((cached[0],), raw=cached[1])
 
     def _handle(self, msg: ClcMessage) -> Step:
         if not isinstance(msg, Accept):
@@ -870,7 +909,14 @@ class ServerNegotiation(_Negotiation):
             and p.smcd_v2_ext.seid == eids.seid
         ):
             return eids.seid
-        return eids.match_ueid(_wire(p.v2_ext.eids))
+        key = (p.v2_ext.eids, eids.ueids)
+        if key in _UEID_MATCHES:
+            return _UEID_MATCHES[key]
+        match = eids.match_ueid(_wire(p.v2_ext.eids))
+        if len(_UEID_MATCHES) >= 64:
+            _UEID_MATCHES.clear()
+        _UEID_MATCHES[key] = match
+        return match
 
     # ---- Confirm ------------------------------------------------------------------------------
 
@@ -914,6 +960,11 @@ class ServerNegotiation(_Negotiation):
             release=release,
             feature_mask=feature_mask,
         )
+
+
+_UEID_MATCHES: dict[tuple[tuple[str, ...], tuple[str, ...]], str | None] = {}
+"""(peer's UEIDs, ours) → ``EidTable.match_ueid``: a pure function of the two lists, asked on
+every Proposal with the same ones."""
 
 
 def _wire(eids: tuple[str, ...]) -> tuple[bytes, ...]:

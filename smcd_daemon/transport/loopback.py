@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smcd_daemon.core.buffers import Dmb, DmbPool
+from smcd_daemon.core.buffers import Dmb, DmbAllocationError, DmbPool
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire.clc import LOOPBACK_ISM_CHID, IsmDevice
 
@@ -78,12 +78,33 @@ def endpoint(addr: Any) -> Endpoint:
 
     Results are cached: every handoff normalises the same few addresses several times, and
     parsing an address with :mod:`ipaddress` costs more than the rest of the lookup."""
+    if type(addr) is tuple:  # the hot path: exact types, no isinstance chains
+        n = len(addr)
+        if n == 3 and type(addr[0]) in _IP_TYPES:
+            return addr  # already normalised
+        if (n == 2 or n == 4) and type(addr[0]) is str and type(addr[1]) is int:
+            # A getsockname()/getpeername() result: every connection has a new port, but the
+            # hosts are few, so the parsed host is what is cached.
+            host = _HOSTS.get(addr[0])
+            if host is None:
+                host = _host(addr[0])
+                if len(_HOSTS) >= 4096:
+                    _HOSTS.clear()
+                _HOSTS[addr[0]] = host
+            ip, v6 = host
+            port = addr[1]
+            if not 0 <= port <= 0xFFFF:
+                raise PairingError(f"not a port: {port!r}")
+            scope = addr[3] if n == 4 and v6 else 0
+            if type(scope) is not int:
+                raise PairingError(f"not a scope id: {scope!r}")
+            return (ip, port, scope)
     if (
         isinstance(addr, tuple)
         and len(addr) == 3
         and isinstance(addr[0], ipaddress.IPv4Address | ipaddress.IPv6Address)
     ):
-        return addr  # already normalised
+        return addr  # already normalised (an address subclass)
     if not isinstance(addr, tuple) or len(addr) not in (2, 4):
         raise PairingError(f"not a socket address: {addr!r}")
     if not isinstance(addr[1], int):  # before the cache, where 80.0 would equal 80
@@ -92,6 +113,16 @@ def endpoint(addr: Any) -> Endpoint:
         return _normalise(addr)
     except TypeError:  # an unhashable part: not a socket address either way
         raise PairingError(f"not a socket address: {addr!r}") from None
+
+
+_IP_TYPES = (ipaddress.IPv4Address, ipaddress.IPv6Address)
+_HOSTS: dict[str, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, bool]] = {}
+"""Host text → (normalised address, keeps its scope id), as :func:`_normalise` decides."""
+
+
+def _host(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, bool]:
+    ip, _, scope = _normalise((text, 0, 0, 1))
+    return ip, scope == 1
 
 
 @functools.lru_cache(maxsize=8192)
@@ -241,6 +272,9 @@ class LoopbackIsm:
         if not 0 <= gid128 < 1 << 128:
             raise ValueError("gid128 must be a 128-bit unsigned int")
         self.pool = pool
+        self.reclaim: Callable[[], bool] | None = None
+        """Called once when the pool refuses a DMB: it runs releases its owner deferred and
+        says whether there were any (then the allocation is tried again)."""
         self.gid128 = gid128
         self.pairing = pairing if pairing is not None else PairingTable()
         self.link_groups = link_groups if link_groups is not None else LinkGroupTable()
@@ -264,6 +298,11 @@ class LoopbackIsm:
         return gid128 == self.gid128
 
     def register_dmb(self, uid: int, size: int, *, min_size: int | None = None) -> Dmb:
+        try:
+            return self.pool.register(uid, size, min_size=min_size)
+        except DmbAllocationError:
+            if self.reclaim is None or not self.reclaim():
+                raise
         return self.pool.register(uid, size, min_size=min_size)
 
     def unregister_dmb(self, token: int) -> None:

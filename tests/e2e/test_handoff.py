@@ -166,6 +166,40 @@ def test_fallback_plain_client_to_smc_server(smcd: Smcd, apps: Any, speaks_first
     )
 
 
+def test_quota_sees_a_closed_connection_released_at_once(
+    smcd: Smcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon defers a hung-up half's bookkeeping (DMB release included) off the handshake
+    path; a handshake that needs those DMBs still gets them: with a quota of one connection,
+    closing it and connecting again at once (microseconds later, one process) is SMC-D every
+    time."""
+    import threading
+
+    import smc_handoff
+
+    smcd.reload("[quota]\nconnections = 2\n")
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(smcd.handoff))
+    lst = smc_handoff.listen(("127.0.0.1", 0))
+    try:
+        assert lst.registered, lst.fallback
+        port = lst.getsockname()[1]
+        for i in range(20):
+            accepted: list[Any] = []
+            t = threading.Thread(target=lambda got=accepted: got.append(lst.accept()[0]))
+            t.start()
+            c = smc_handoff.connect(("127.0.0.1", port), timeout=10)
+            t.join(10)
+            s = accepted[0]
+            assert (c.mode, s.mode) == ("smcd", "smcd"), (i, c.fallback, s.fallback)
+            c.sendall(b"x")
+            assert s.recv(1) == b"x"
+            c.close()
+            s.close()
+    finally:
+        lst.close()
+        smcd.reload()
+
+
 def test_fallback_quota_exceeded(smcd: Smcd, apps: Any) -> None:
     """Past the per-user quota (two DMBs: one connection) the next handshake falls back with
     MAX_DMB at the server and PEERDECL (peer diagnosis MAX_DMB) at the client."""
