@@ -6,6 +6,10 @@ Two things dbus-fast does not do the way smcd needs:
   The D-Bus specification (and every ObjectManager client: GDBusObjectManagerClient, sd-bus,
   BlueZ tools) expects them from the object manager's own path, so :class:`SmcdMessageBus` sends
   them from ``/org/smcd`` for every object below it.
+- Its writer takes a full send buffer (``EAGAIN`` from ``send``) for a dead bus and disconnects.
+  A burst of signals (hundreds of connections coming and going) fills the socket buffer while
+  the bus daemon is busy, and smcd would vanish from the bus. :class:`_PatientSocket` turns that
+  into "nothing sent yet": the writer keeps its place and waits for the socket to drain.
 - Method handlers are not told who called. smcd must re-check the caller of every mutating method
   (a session or private bus has no policy file to do it), so a message filter records the sender
   of each method call in a :class:`contextvars.ContextVar`; dbus-fast starts the handler task
@@ -15,8 +19,9 @@ Two things dbus-fast does not do the way smcd needs:
 from __future__ import annotations
 
 import contextvars
+import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -44,10 +49,38 @@ class BusError(SmcError):
     """The bus itself failed us: cannot connect, cannot own the name, cannot identify a caller."""
 
 
+class _PatientSocket:
+    """The bus socket as dbus-fast's writer sees it: ``send`` reports a full buffer as 0 bytes
+    sent, so the writer waits for writability instead of tearing the connection down.
+
+    ``sendmsg`` (file-descriptor passing, which smcd never does on the bus) is left alone: the
+    writer forgets the descriptors after any return, so only an exception is safe there."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: Any) -> int:
+        try:
+            return self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class SmcdMessageBus(MessageBus):
     """An asyncio bus connection whose ObjectManager signals come from :data:`ROOT_PATH`."""
 
     object_manager_path = ROOT_PATH
+
+    async def connect(self) -> SmcdMessageBus:
+        await super().connect()
+        writer = self._writer
+        sock = writer.sock if writer is not None else None
+        if writer is not None and isinstance(sock, socket.socket):
+            writer.sock = cast(socket.socket, _PatientSocket(sock))
+        return self
 
     def _manager_for(self, path: str) -> str | None:
         root = self.object_manager_path
