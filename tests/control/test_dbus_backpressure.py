@@ -48,9 +48,7 @@ def test_a_burst_larger_than_the_socket_buffer_is_delivered_whole(session_bus: D
         assert raw is not None
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         for i in range(BURST):  # no await in between: the buffer fills at once
-            smcd.send(
-                Message.new_signal("/org/smcd", "org.smcd.Test", "Burst", "us", [i, PAYLOAD])
-            )
+            smcd.send(Message.new_signal("/org/smcd", "org.smcd.Test", "Burst", "us", [i, PAYLOAD]))
         await asyncio.wait_for(done.wait(), 30)
         assert got == list(range(BURST))
         assert smcd.connected
