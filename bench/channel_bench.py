@@ -29,13 +29,16 @@ RECV_BUF = 1 << 20
 
 
 class ChannelEnd:
-    """Blocking sendall/recv_into over a Channel, as a socket layer would wrap it."""
+    """Blocking sendall/recv_into over a Channel, as ``SmcSocket`` wraps it (fast paths first:
+    ``send_fast``/``recv_fast``, a spin, then the general calls and waits)."""
 
     def __init__(self, ch: Channel) -> None:
         self.ch = ch
 
     def sendall(self, mv: memoryview) -> None:
         ch = self.ch
+        if ch.send_fast(mv):
+            return
         while mv:
             n = ch.send_into(mv)
             if n:
@@ -45,6 +48,13 @@ class ChannelEnd:
 
     def recv_into(self, buf: memoryview) -> int:
         ch = self.ch
+        n = ch.recv_fast(buf)
+        if n:
+            return n
+        if ch.spin_readable():
+            n = ch.recv_fast(buf)
+            if n:
+                return n
         while True:
             n = ch.recv_into(buf)
             if n or ch.eof:

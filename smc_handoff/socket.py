@@ -179,12 +179,19 @@ class _Smc:
     conn_id: int = 0
     rd_shut: bool = False
     wr_shut: bool = False
-    sent: int = 0
-    received: int = 0
     next_check: float = 0.0
     deadline: float | None = None  # of the sendall() in progress (None: per call)
 
     RECHECK_S = 1.0
+
+    @property
+    def sent(self) -> int:
+        """Bytes sent over the channel (the channel counts them: the data path does not)."""
+        return self.channel.bytes_sent
+
+    @property
+    def received(self) -> int:
+        return self.channel.bytes_received
 
     def notify(self, msg: messages.Request) -> None:
         """Tell the daemon (best effort: the channel never depends on it)."""
@@ -368,6 +375,18 @@ class SmcSocket(_BaseSocket):
     # -- receiving -----------------------------------------------------------------------------
 
     def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
+        smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is not None and not nbytes and not flags and not smc.rd_shut:
+            ch = smc.channel
+            n = ch.recv_fast(buffer)  # the fast path: data there, one copy
+            if n:
+                return n
+            # Blocking and nothing yet: spin for the peer's store before the long way (whose
+            # set-up would delay a ping-pong's reply by microseconds).
+            if self.gettimeout() is None and ch.spin_readable():
+                n = ch.recv_fast(buffer)
+                if n:
+                    return n
         smc = self._live()
         if smc is None:
             return super().recv_into(buffer, nbytes, flags)
@@ -385,9 +404,8 @@ class SmcSocket(_BaseSocket):
         if not view.nbytes or smc.rd_shut:
             return 0
         ch = smc.channel
-        n = ch.recv_into(view)  # the fast path; raises ConnectionResetError after an abort
+        n = ch.recv_into(view)  # raises ConnectionResetError after an abort
         if n:
-            smc.received += n
             return n
         deadline = self._deadline(flags)
         while True:
@@ -399,7 +417,6 @@ class SmcSocket(_BaseSocket):
                 self._remaining(deadline)  # raises timeout when it has expired
             n = ch.recv_into(view)
             if n:
-                smc.received += n
                 return n
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
@@ -411,7 +428,6 @@ class SmcSocket(_BaseSocket):
         if smc is not None and not flags and not smc.rd_shut:
             data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out of the ring
             if data:
-                smc.received += len(data)
                 return data
         size = min(bufsize, self._smc.info.rx_size) if self._smc is not None else bufsize
         buf = bytearray(size)  # one call never returns more than a ring holds
@@ -434,7 +450,6 @@ class SmcSocket(_BaseSocket):
         ch = smc.channel
         n = ch.send_into(view)  # raises BrokenPipeError / ConnectionResetError as TCP would
         if n:
-            smc.sent += n
             return n
         deadline = smc.deadline if smc.deadline is not None else self._deadline(flags)
         while True:
@@ -444,10 +459,14 @@ class SmcSocket(_BaseSocket):
                 self._remaining(deadline)
             n = ch.send_into(view)
             if n:
-                smc.sent += n
                 return n
 
     def send(self, data: Buffer, flags: int = 0) -> int:
+        smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is not None and not flags:
+            n = smc.channel.send_fast(data)  # the fast path: all of it fits, one copy
+            if n:
+                return n
         smc = self._live()
         if smc is None:
             return super().send(data, flags)
@@ -461,6 +480,9 @@ class SmcSocket(_BaseSocket):
         return self._send_some(smc, view, flags)
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:
+        smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is not None and not flags and smc.channel.send_fast(data):
+            return None  # the fast path: all of it fitted, one copy
         smc = self._live()
         if smc is None:
             return super().sendall(data, flags)
@@ -469,10 +491,9 @@ class SmcSocket(_BaseSocket):
         view = data if type(data) is memoryview else memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        if view.nbytes:  # the fast path: it fits at once
+        if view.nbytes:  # what fits at once
             n = smc.channel.send_into(view)
             if n:
-                smc.sent += n
                 if n == view.nbytes:
                     return None
                 view = view[n:]
