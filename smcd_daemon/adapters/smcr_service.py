@@ -41,19 +41,27 @@ from typing import Any
 from smc_handoff.channel import ChannelFds
 from smcd_daemon.adapters.clc_io import BorrowedTcp, peek_proposal
 from smcd_daemon.core import registry as reg
-from smcd_daemon.core.devices import DeviceInventory
+from smcd_daemon.core.devices import (
+    DeviceEvent,
+    DeviceInventory,
+    EventKind,
+    GidType,
+    NetDevice,
+    RdmaPort,
+)
 from smcd_daemon.core.eid import EidTable
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import FallbackOutcome
 from smcd_daemon.protocol.negotiate_smcr import (
     ClientSmcrNegotiation,
+    LinkGroupRequest,
     ServerSmcrNegotiation,
     SmcrFacts,
     SmcrOutcome,
     SmcrStep,
 )
 from smcd_daemon.protocol.smcr_route import InventoryRouting, NetDeviceLike, RouteLike
-from smcd_daemon.transport.smcr import SmcrTransport
+from smcd_daemon.transport.smcr import AltPort, SmcrTransport
 from smcd_daemon.wire.clc import IpPrefixes
 from smcd_daemon.wire.reasons import DeclineReason
 
@@ -219,6 +227,10 @@ class SmcrService:
         self.hostname = hostname if hostname is not None else socket.gethostname()
         self.routing = routing if routing is not None else KernelRouting(inventory)
         self._lock = asyncio.Lock()
+        if transport.alt_ports is None:
+            transport.alt_ports = self.alt_ports_for
+        self._netdev_up = {d.name: d.is_up for d in inventory.netdevs()}
+        self._unsubscribe = inventory.subscribe(self._on_device)
 
     # ------------------------------------------------------------------ facts
     def facts_for(self, local: IPAddr, peer: IPAddr, *, rmb_size: int = 0) -> SmcrFacts:
@@ -254,6 +266,55 @@ class SmcrService:
             rmb_size=rmb_size or self.rmb_size,
             clc_wait=self.clc_wait,
         )
+
+    def alt_ports_for(self, request: LinkGroupRequest) -> list[AltPort]:
+        """Ports for a link group's second link (``smc_pnet_find_alt_roce``): active ports of
+        *other* RoCE devices with the PNETID of the first link's netdev - with no PNETID on
+        either side, any other device's port (an empty PNETID matches an empty one, as
+        ``smc_pnet_match`` compares them) - that have a GID of the link group's kind (RoCE v1;
+        for SMC-Rv2 an IPv4-mapped RoCE v2 GID) on a netdev with the link group's VLAN.
+
+        Unlike the kernel, an SMC-Rv2 alternate GID need not share a subnet with the CLC
+        source address: each link is addressed by its own GID (the peer learns it from ADD
+        LINK), so two RoCE NICs on two different subnets make a symmetric link group."""
+        if self.max_links < 2:
+            return []
+        first = request.local
+        want = self.inventory.resolve_pnetid(first.netdev, self.pnet)
+        v2 = request.version == 2
+        out: list[AltPort] = []
+        for dev in self.inventory.rdma_devices():
+            if dev.name == first.device:
+                continue  # the kernel skips the first link's device altogether
+            if self.transport.devices is not None and dev.name not in self.transport.devices:
+                continue
+            for port in dev.ports:
+                if not port.active or self._port_pnetid(port) != want:
+                    continue
+                found = self._alt_gid(port, request.vlan_id, v2)
+                if found is not None:
+                    out.append(found)
+        return out
+
+    def _port_pnetid(self, port: RdmaPort) -> str | None:
+        pnetid = self.pnet.pnetid_of_ibport(port.device, port.num)
+        if pnetid is None and port.netdev is not None:
+            pnetid = self.inventory.resolve_pnetid(port.netdev, self.pnet)
+        return pnetid
+
+    def _alt_gid(self, port: RdmaPort, vlan_id: int, v2: bool) -> AltPort | None:
+        for g in port.gids:
+            if g.netdev is None:
+                continue
+            dev_vlan = self.routing.vlan_id(g.netdev)
+            if (dev_vlan is not None) if vlan_id == 0 else dev_vlan != vlan_id:
+                continue
+            if v2 and (g.type != GidType.ROCE_V2 or g.ipv4 is None):
+                continue
+            if not v2 and g.type != GidType.ROCE_V1:
+                continue
+            return AltPort(port.device, port.num, g.gid, g.index, g.netdev)
+        return None
 
     def _netdev_for(self, local: IPAddr, peer: IPAddr) -> NetDeviceLike | None:
         """The CLC socket's netdev: the route's output device (as ``sk_dst_get(sk)->dev``),
@@ -420,7 +481,20 @@ class SmcrService:
         return SmcrChannel(conn_id, conn.take_app_fds(), outcome.lgr_id, conn.link_id,
                            outcome.first_contact)  # fmt: skip
 
+    def _on_device(self, ev: DeviceEvent) -> None:
+        """Carrier loss (or regain) of a netdev, seen over rtnetlink: its RoCE links fail
+        over without waiting for the verbs port event or a QP error."""
+        dev = ev.object
+        if not isinstance(dev, NetDevice):
+            return
+        up = dev.is_up and ev.kind is not EventKind.REMOVED
+        was = self._netdev_up.get(dev.name)
+        self._netdev_up[dev.name] = up
+        if was is not None and was != up:
+            self.transport.netdev_state(dev.name, up)
+
     def close(self) -> None:
+        self._unsubscribe()
         close = getattr(self.routing, "close", None)
         if callable(close):
             close()

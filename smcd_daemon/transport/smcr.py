@@ -23,6 +23,16 @@ Sending: each link has 16 send slots (``SMC_WR_BUF_CNT``) shared by its LLC mess
 CDC messages of all its connections. Connections with something due queue up per link and are
 served as slots come back (``SendDone``), LLC first.
 
+Two links: a link group gets every alternate port ``alt_ports`` names for it (other RoCE
+devices of the same PNETID, see ``SmcrService.alt_ports_for``); with one, the server adds the
+second link after the first contact (ADD LINK, ADD LINK CONT or the v2 rkey extension, CONFIRM
+LINK on the new QP) and the link group is symmetric. A link fails on a verbs port event, carrier
+loss seen over rtnetlink (:meth:`SmcrTransport.netdev_state`), a QP error or an unanswered TEST
+LINK: its connections move to the surviving link (the send buffer is registered with the new
+port, the producer cursor rewinds to the last completed CDC, the CDC failover validation goes
+first), DELETE LINK tells the peer, and the QP is quiesced (ERR) and destroyed. With no link
+left the connections abort. When the port comes back, a link is added again.
+
 Link groups without connections are freed after ``linger`` seconds (DELETE LINK ALL, orderly).
 A first contact's link group stays out of reuse until LLC CONFIRM LINK completed.
 """
@@ -31,12 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +105,7 @@ from smcd_daemon.wire.reasons import DeclineReason
 
 __all__ = [
     "LGR_LINGER",
+    "AltPort",
     "SmcrGrant",
     "SmcrTransport",
     "SmcrTransportError",
@@ -130,6 +142,22 @@ class SmcrGrant:
     rmb_id: int
 
 
+@dataclass(frozen=True)
+class AltPort:
+    """A local RoCE port a link group may use for its second link (``smc_pnet_find_alt_roce``):
+    the GID (and its table index) the link announces, and its netdev."""
+
+    device: str
+    port: int
+    gid: bytes
+    gid_index: int
+    netdev: str
+
+
+#: Finds the alternate ports for a new link group (the SMC-R service knows the inventory).
+AltPortFinder = Callable[[LinkGroupRequest], Sequence[AltPort]]
+
+
 @dataclass(eq=False)
 class _Lgr:
     fsm: LinkGroup
@@ -141,6 +169,7 @@ class _Lgr:
     uses_gateway: bool
     ports: dict[str, VerbsPort]
     gid_index: dict[str, int]
+    netdevs: dict[str, str] = field(default_factory=dict)
     links: dict[int, VerbsLink] = field(default_factory=dict)
     peer_macs: dict[int, bytes] = field(default_factory=dict)
     rmbs: dict[int, SmcrBuffer] = field(default_factory=dict)
@@ -171,7 +200,10 @@ class SmcrTransport:
         linger: float = LGR_LINGER,
         testlink_time: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        alt_ports: AltPortFinder | None = None,
     ) -> None:
+        #: second-link candidates per link group; None: every link group has one link
+        self.alt_ports = alt_ports
         self.pool = pool if pool is not None else RmbPool()
         self.registry = registry if registry is not None else reg.Registry()
         self.devices = None if devices is None else frozenset(devices)
@@ -275,14 +307,23 @@ class SmcrTransport:
         except SmcError as e:
             raise SmcrTransportError(f"RoCE port {local.device}:{local.port}: {e}") from e
         name = f"{local.device}:{local.port}"
+        ports = {name: vp}
+        gid_index = {name: local.gid_index}
+        local_ports = [LocalPort(name, local.gid, request.local_mac, mtu=mtu)]
+        netdevs = {name: local.netdev}
+        for lp, avp, ap in self._alternates(request, name):
+            ports[lp.name] = avp
+            gid_index[lp.name] = ap.gid_index
+            netdevs[lp.name] = ap.netdev
+            local_ports.append(lp)
         lgr_id = self.registry.allocate_lgr_id()
-        # One local port per link group here: a second link would be an asymmetric one on the
-        # same port, which costs a QP and is then rejected by a single-port peer.
-        max_links = 1
+        # A second link needs a second local port (symmetric link group): a second link on the
+        # same port would be an asymmetric one, costing a QP that a single-port peer rejects.
+        max_links = 2 if len(local_ports) > 1 and request.max_links >= 2 else 1
         fsm = LinkGroup(
             request.role,
             lgr_id,
-            [LocalPort(name, local.gid, request.local_mac, mtu=mtu)],
+            local_ports,
             v2=request.version == 2,
             release_v21=request.release >= 1,
             max_links=max_links,
@@ -297,8 +338,9 @@ class SmcrTransport:
             peer_system_id=request.peer_system_id,
             vlan_id=request.vlan_id,
             uses_gateway=request.uses_gateway,
-            ports={name: vp},
-            gid_index={name: local.gid_index},
+            ports=ports,
+            gid_index=gid_index,
+            netdevs=netdevs,
             first=loop.create_future(),
         )
         self._lgrs[lgr_id] = g
@@ -326,6 +368,27 @@ class SmcrTransport:
             raise SmcrTransportError("the first link's QP could not be created")
         vl = g.links[infos[0].link_id]
         return FirstLink(lgr_id, infos[0].link_id, vl.qpn, vl.psn, vl.mtu)
+
+    def _alternates(
+        self, request: LinkGroupRequest, first: str
+    ) -> list[tuple[LocalPort, VerbsPort, AltPort]]:
+        """The other local ports a second link may use, opened (as ``LocalPort``s)."""
+        if self.alt_ports is None or request.max_links < 2:
+            return []
+        out: list[tuple[LocalPort, VerbsPort, AltPort]] = []
+        for ap in self.alt_ports(request):
+            name = f"{ap.device}:{ap.port}"
+            if name == first or any(lp.name == name for lp, _, _ in out):
+                continue
+            try:
+                avp = self.port(ap.device, ap.port)
+                lp = LocalPort(name, ap.gid, avp.mac(ap.gid_index), mtu=avp.active_mtu,
+                               active=avp.active)  # fmt: skip
+            except SmcError as e:
+                log.info("SMC-R: alternate port %s not usable: %s", name, e)
+                continue
+            out.append((lp, avp, ap))
+        return out
 
     def discard_link_group(self, lgr_id: int) -> None:
         g = self._lgrs.get(lgr_id)
@@ -526,6 +589,29 @@ class SmcrTransport:
         except VerbsError as e:
             log.warning("SMC-R link group %#x link %d: posting failed: %s", g.lgr_id, link_id, e)
 
+    def netdev_state(self, netdev: str, up: bool) -> None:
+        """The netdev under RoCE ports went down or up (carrier or admin state, seen over
+        rtnetlink): the same as a verbs port event for the link groups' ports on it - some
+        devices report the port late, or not at all. Up counts only once the port is active."""
+        for g in list(self._lgrs.values()):
+            if g.gone or g.fsm.terminated:
+                continue
+            for name, nd in list(g.netdevs.items()):
+                vp = g.ports.get(name)
+                if nd != netdev or vp is None:
+                    continue
+                active = up
+                if up:
+                    try:
+                        active = vp.active
+                    except Exception:  # a closed or vanished device
+                        active = False
+                    if not active:
+                        continue
+                log.info("SMC-R link group %#x: %s (%s) %s", g.lgr_id, netdev, name,
+                         "up" if active else "down")  # fmt: skip
+                self._apply(g, g.fsm.port_state(name, active, self._now()))
+
     # ------------------------------------------------------------------ verbs events
     def _on_event(self, ev: VerbsEvent) -> None:
         if isinstance(ev, PortStateChanged):
@@ -549,13 +635,19 @@ class SmcrTransport:
             tag = ev.tag
             if isinstance(tag, tuple) and tag and tag[0] == "cdc":
                 conn = g.conns.get(tag[1])
-                if conn is not None:
+                # a late completion of the link a connection failed over from says nothing
+                # about what the new link delivered
+                if conn is not None and conn.link_id == link_id:
                     conn.send_done(tag[2])
             self._pump(g, link_id)
             for other in list(g.send_q):
                 if other != link_id:
                     self._pump(g, other)
         elif isinstance(ev, LinkError):
+            vl = g.links.get(link_id)
+            if vl is None or (vl.port.device, vl.qpn) != (ev.device, ev.qpn):  # cleared already
+                log.debug("SMC-R link group %#x: old QP %d: %s", g.lgr_id, ev.qpn, ev.reason)
+                return
             log.warning("SMC-R link group %#x link %d down: %s", g.lgr_id, link_id, ev.reason)
             self._apply(g, g.fsm.link_down(link_id, now, ev.reason))
         elif isinstance(ev, CompletionFailed | WriteDone):
@@ -618,7 +710,7 @@ class SmcrTransport:
                     state=reg.LinkState.ACTIVATING,
                     ibdev=vp.device,
                     ibport=vp.port,
-                    netdev=self._lgr_netdev(g),
+                    netdev=g.netdevs.get(o.port.name) or self._lgr_netdev(g),
                     gid=vl.gid,
                     qpn=vl.qpn,
                     mtu=mtu_bytes(vl.mtu),
@@ -637,6 +729,11 @@ class SmcrTransport:
             vl2 = g.links.pop(o.link_id, None)
             if vl2 is not None:
                 self._destroy_later(vl2)
+            g.llc_q.pop(o.link_id, None)
+            for queued in g.send_q.pop(o.link_id, ()):
+                queued.queued = False
+                if not queued.done and queued.link_id != o.link_id:
+                    self._want_send(queued)
             with contextlib.suppress(SmcError):
                 self.registry.remove_link(g.lgr_id, o.link_id)
         elif isinstance(o, MoveConnection):
@@ -645,6 +742,10 @@ class SmcrTransport:
                 log.info("SMC-R connection %d: failover link %d -> %d", o.conn_id, o.from_link,
                          o.to_link)  # fmt: skip
                 conn.queued = False
+                to = g.links.get(o.to_link)
+                if to is not None:  # the send buffer must be registered with the new PD
+                    conn.snd_region = self.pool.register(conn.sndbuf, self._port_name(to),
+                                                         to.port.mrs)  # fmt: skip
                 conn.move(o.to_link, o.peer_rkey, o.peer_vaddr, o.validate)
                 with contextlib.suppress(SmcError):
                     self.registry.update_connection(o.conn_id, link_id=o.to_link)
@@ -655,9 +756,11 @@ class SmcrTransport:
                     conn.lost("the link group ended (no link left)")
         elif isinstance(o, LinkStateChanged):
             if o.new != LinkState.UNUSED:
-                self._reg_link(g, o.link_id, state=reg.LinkState(
-                    "LINK_UNUSED" if o.new == LinkState.UNUSED else o.new.value))  # fmt: skip
+                self._sync_link(g, o.link_id)
+            log.info("SMC-R link group %#x link %d: %s -> %s", g.lgr_id, o.link_id,
+                     o.old.value, o.new.value)  # fmt: skip
         elif isinstance(o, LgrTypeChanged):
+            log.info("SMC-R link group %#x: type %s -> %s", g.lgr_id, o.old.value, o.new.value)
             with contextlib.suppress(SmcError):
                 self.registry.update_link_group(g.lgr_id, lgr_type=reg.LgrType(o.new.value))
         elif isinstance(o, FirstContactDone):
@@ -670,12 +773,32 @@ class SmcrTransport:
             self._teardown(g)
         elif isinstance(o, LlcIgnored):
             log.debug("SMC-R link group %#x: LLC ignored: %s", g.lgr_id, o.why)
-        elif isinstance(o, AddLinkResult | RmbConfirmed | RmbDeleted):
+        elif isinstance(o, AddLinkResult):
+            log.info("SMC-R link group %#x: ADD LINK %s: %s", g.lgr_id,
+                     "done" if o.ok else "failed", o.explanation)  # fmt: skip
+        elif isinstance(o, RmbConfirmed | RmbDeleted):
             log.debug("SMC-R link group %#x: %s", g.lgr_id, o)
 
     def _lgr_netdev(self, g: _Lgr) -> str:
         rec = self.registry.link_group(g.lgr_id)
         return rec.netdev if rec is not None else ""
+
+    def _sync_link(self, g: _Lgr, link_id: int) -> None:
+        """The registry's record of a link from the link group machine: state, uids, peer."""
+        info = next((i for i in g.fsm.links() if i.link_id == link_id), None)
+        if info is None:
+            return
+        changes: dict[str, Any] = {"state": reg.LinkState(info.state.value),
+                                   "link_uid": info.link_uid}  # fmt: skip
+        if info.peer_link_uid is not None:
+            changes["peer_link_uid"] = info.peer_link_uid
+        if info.peer_gid is not None:
+            changes["peer_gid"] = info.peer_gid
+        if info.peer_qpn is not None:
+            changes["peer_qpn"] = info.peer_qpn
+        if info.mtu is not None:
+            changes["mtu"] = mtu_bytes(info.mtu)
+        self._reg_link(g, link_id, **changes)
 
     def _reg_link(self, g: _Lgr, link_id: int, **changes: Any) -> None:
         with contextlib.suppress(SmcError):
@@ -688,6 +811,13 @@ class SmcrTransport:
             vl = g.links.pop(old)
             g.links[link_id] = vl
             self._by_qp[(vl.port.device, vl.qpn)] = (g, link_id)
+            if old in g.peer_macs:
+                g.peer_macs[link_id] = g.peer_macs.pop(old)
+            with contextlib.suppress(SmcError):
+                rec = self.registry.remove_link(g.lgr_id, old)
+                self.registry.add_link(dataclasses.replace(rec, link_id=link_id))
+        if link_id is not None:
+            self._sync_link(g, link_id)
         if why is None:
             g.confirmed = True
         fut = g.first
@@ -700,8 +830,15 @@ class SmcrTransport:
             self._by_qp.pop((vl.port.device, vl.qpn), None)
             vl.close()
 
+        def quiesce() -> None:
+            with contextlib.suppress(SmcError):
+                vl.to_error()
+
         if self._loop is not None and not self._closed:
-            self._loop.call_later(DESTROY_DELAY, destroy)
+            # the last sends (DELETE LINK) drain, then the QP goes to ERR (as smcr_link_clear
+            # does) and is destroyed once the flushed work has completed
+            self._loop.call_later(DESTROY_DELAY, quiesce)
+            self._loop.call_later(2 * DESTROY_DELAY, destroy)
         else:
             destroy()
 

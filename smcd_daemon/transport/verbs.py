@@ -818,6 +818,12 @@ class VerbsLink:
     def to_rts(self) -> None:
         self._modify(rts_attrs(self.psn))
 
+    def to_error(self) -> None:
+        """Any state → ERR: outstanding work is flushed (with error completions) and nothing
+        more goes out - a dying link quiesces before its QP is destroyed."""
+        if not self._closed:
+            self._modify(QpAttrSpec("ERR"))
+
     def connect(self, peer: LinkParams, *, uses_gateway: bool = False) -> None:
         """RESET → INIT (receive buffers posted) → RTR (towards ``peer``) → RTS."""
         self.to_init()
