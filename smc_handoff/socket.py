@@ -147,6 +147,13 @@ def _exchange(
     return ctl, reply, fds  # type: ignore[return-value]
 
 
+class _Keep:
+    """Type of :data:`_KEEP`: "leave the socket timeout as it is" (None means blocking)."""
+
+
+_KEEP = _Keep()
+
+
 def _unexpected(reply: messages.Reply, what: str) -> Fallback:
     if isinstance(reply, messages.Error):
         return messages.daemon_error(f"{what} refused: {reply.code.name}: {reply.message}")
@@ -301,15 +308,18 @@ class SmcSocket(_BaseSocket):
 
     # -- handoff -------------------------------------------------------------------------------
 
-    def _handoff(self, server_side: bool, dmb_size: int = 0) -> None:
-        """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC."""
+    def _handoff(
+        self, server_side: bool, dmb_size: int = 0, timeout: float | _Keep | None = _KEEP
+    ) -> None:
+        """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC. ``timeout``
+        is the socket timeout to apply afterwards (default: keep the current one)."""
         if self.family not in _STREAM_FAMILIES or self.type != _socket.SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
         request: messages.Request = (
             messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
         )
         what = request.TYPE.name
-        blocking = self.gettimeout()
+        blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
         result = _exchange(request, super().fileno(), what, _channel_refused)
         self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
         if isinstance(result, Fallback):
@@ -643,9 +653,8 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
     sock.getpeername()  # OSError(ENOTCONN) for a socket that is not connected
     timeout = sock.gettimeout()
     smc = SmcSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
-    smc.settimeout(timeout)
     try:
-        smc._handoff(server_side, dmb_size)
+        smc._handoff(server_side, dmb_size, timeout)  # applies ``timeout`` once, after the exchange
     except BaseException:
         smc.close()
         raise

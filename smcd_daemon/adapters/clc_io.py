@@ -183,6 +183,9 @@ class BorrowedTcp:
                 return chunk
         deadline = time.monotonic() + timeout
         buf = bytearray(chunk or b"")
+        # Nothing there yet: wait before asking again (a second recv would only see EAGAIN).
+        if chunk is None and not await self._wait(write=False, timeout=timeout):
+            raise TimeoutError from None
         while len(buf) < n:
             try:
                 chunk = self.sock.recv(n - len(buf), _DONTWAIT)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -162,6 +163,21 @@ def collected_guest_tests() -> tuple[tuple[str, ...], str | None]:
         return (), str(exc)
 
 
+#: Host environment variables with this prefix reach the guest program (and so every guest
+#: test); the guest's environment is otherwise its own (``make bench-rdma`` sets
+#: SMCD_GUEST_BENCH_FULL).
+GUEST_ENV_PREFIX = "SMCD_GUEST_"
+
+
+def _guest_env_prefix() -> str:
+    """``NAME=value `` assignments for the guest's shell command (vng runs it with sh)."""
+    return "".join(
+        f"{k}={shlex.quote(v)} "
+        for k, v in sorted(os.environ.items())
+        if k.startswith(GUEST_ENV_PREFIX) and k.isidentifier()
+    )
+
+
 def _vng_command(vng: Path, kernel: KernelTree, outdir: Path) -> list[str]:
     qemu_opts = " ".join(topology.qemu_args())
     return [
@@ -177,7 +193,7 @@ def _vng_command(vng: Path, kernel: KernelTree, outdir: Path) -> list[str]:
         str(outdir),
         f"--qemu-opts={qemu_opts}",
         "--exec",
-        f"{sys.executable} -m tests.vm.guest_main {outdir}",
+        f"{_guest_env_prefix()}{sys.executable} -m tests.vm.guest_main {outdir}",
     ]
 
 

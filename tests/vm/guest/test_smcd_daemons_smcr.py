@@ -1,10 +1,32 @@
 """Two real ``smcd`` processes speak SMC-R to each other over Soft-RoCE: host A's daemon serves
-a client application on 192.0.2.1 (smca0/rxe_a0), host B's a server application on 192.0.2.2
-(smcb0/rxe_b0). Both applications use ``smc_handoff`` with their own daemon's handoff socket;
-the bytes are checked end to end, both ends must report mode "smcr", and ``smcctl`` on each
-daemon must show the SMC-R connection and its link group.
+client applications on 192.0.2.1 (smca0/rxe_a0), host B's server applications on 192.0.2.2
+(smcb0/rxe_b0). The applications are separate processes using ``smc_handoff`` with their own
+daemon's handoff socket, so every byte takes the real path: application → shared-memory send
+buffer → its daemon → RDMA WRITE + CDC over rxe → the other daemon's RMB → the other application.
 
-Every wait has a deadline; nothing asserts a duration (TCG makes everything slow).
+The issue's done-when scale, through that path:
+
+* one connection moves 64 MiB each way at the same time, in odd-sized writes that cross the
+  rings' wrap over and over (512 KiB RMBs), both directions checksummed (SHA-256 of what was
+  sent vs. received);
+* 100 concurrent connections between one client process and one server process share ONE link
+  group with ONE link (one QP): ``smcctl --json linkgroup show --links`` / ``conns`` on each
+  daemon show one SMC-R link group holding all 100 connections, the QP numbers unchanged from the
+  first connection to the last, and each daemon's QPN is the other's peer QPN; every
+  connection's data is checksummed both ways.
+
+The two daemons are shared by the module (starting a Python daemon under TCG costs tens of
+seconds) and configured with a long link-group linger, so every connection of the module lands
+in the link group the first one created, and limited to one link per link group (the second
+wire is the failover tests' business). The 100 connections are opened one after the other: the
+server application hands its accepted sockets to its daemon in accept order, so concurrent dials
+could leave the two daemons waiting on each other's handshakes until a timer fires.
+
+Every wait has a deadline; nothing asserts a duration (TCG makes everything slow); the rates
+are printed (``-s``) and kept in ``scratch/<test>/figures.txt``. Host variables reach the guest
+when prefixed ``SMCD_GUEST_``: ``SMCD_GUEST_DAEMONS_BULK`` / ``SMCD_GUEST_DAEMONS_BACK`` (bytes
+each way, default 64 MiB) and ``SMCD_GUEST_PROFILE`` (seconds of py-spy on both daemons and
+both applications during the bulk transfer; collapsed stacks next to the figures).
 """
 
 from __future__ import annotations
@@ -12,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,55 +50,180 @@ SMCD = ROOT / ".venv" / "bin" / "smcd"
 SMCCTL = ROOT / ".venv" / "bin" / "smcctl"
 PY = ROOT / ".venv" / "bin" / "python"
 WAIT = 150.0
-PORT = 47311
-SIZE = 4 << 20
 UEID = "SMCD-VM-DAEMONS"
+BULK = int(os.environ.get("SMCD_GUEST_DAEMONS_BULK", str(64 << 20)))
+#: seconds of py-spy sampling of both daemons and both applications during the bulk transfer
+PROFILE = float(os.environ.get("SMCD_GUEST_PROFILE", "0"))
+PYSPY = ROOT / ".venv" / "bin" / "py-spy"
+#: bytes server → client, at the same time (checksummed as well)
+BACK = int(os.environ.get("SMCD_GUEST_DAEMONS_BACK", str(64 << 20)))
+#: the bulk connection's RMB size hint: a 64 KiB ring holds one window per round trip, which
+#: under TCG (RTTs of tens of ms) is what bounds the rate
+BULK_RMB = 512 << 10
+CONNS = 100
+BULK_PORT = 47311
+MANY_PORT = 47312
 
-SERVER_APP = r"""
-import hashlib, json, struct, sys
+# ---------------------------------------------------------------------------- the applications
+
+COMMON = r"""
+import hashlib, json, os, resource, struct, sys, threading, time
 import smc_handoff
-srv = smc_handoff.listen(("192.0.2.2", int(sys.argv[1])))
-print("LISTENING", flush=True)
-conn, _ = srv.accept()
-head = b""
-while len(head) < 8:
-    b = conn.recv(8 - len(head))
-    if not b:
-        raise SystemExit("EOF before the length")
-    head += b
-n = struct.unpack("!Q", head)[0]
-h, got = hashlib.sha256(), 0
-while got < n:
-    b = conn.recv(min(1 << 16, n - got))
-    if not b:
-        break
-    h.update(b); got += len(b)
-conn.sendall(h.digest())
-print(json.dumps({"mode": conn.mode, "bytes": got, "sha": h.hexdigest()}), flush=True)
-sys.stdin.readline()  # keep the connection open while the test looks at smcctl
-conn.close(); srv.close()
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+SERVER = "192.0.2.2"
+CLIENT = "192.0.2.1"
+
+def note(text):
+    print(text, file=sys.stderr, flush=True)
+
+def recv_exact(s, n):
+    out = bytearray()
+    while len(out) < n:
+        b = s.recv(n - len(out))
+        if not b:
+            raise ConnectionError(f"EOF after {len(out)} of {n} bytes")
+        out += b
+    return bytes(out)
+
+def send_odd(s, data, sizes):
+    # odd-sized writes: every ring offset and every split at the wrap gets its turn
+    view, off, i = memoryview(data), 0, 0
+    while off < len(view):
+        k = sizes[i % len(sizes)]
+        s.sendall(view[off:off + k])
+        off += k
+        i += 1
+
+def recv_hash(s, n, chunk=1 << 17, progress=None):
+    h, got, mark = hashlib.sha256(), 0, 8 << 20
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    while got < n:
+        k = s.recv_into(mv, min(chunk, n - got))
+        if not k:
+            break
+        h.update(mv[:k])
+        got += k
+        if progress is not None and got >= mark:
+            note(f"{time.monotonic() - progress:.1f} s: {got >> 20} MiB received")
+            mark += 8 << 20
+    return h.hexdigest(), got
 """
 
-CLIENT_APP = r"""
-import hashlib, json, os, struct, sys
-import smc_handoff
-n = int(sys.argv[2])
-data = os.urandom(n)
-s = smc_handoff.connect(("192.0.2.2", int(sys.argv[1])), 60, source_address=("192.0.2.1", 0))
-s.sendall(struct.pack("!Q", n))
-for i in range(0, n, 1 << 16):
-    s.sendall(data[i:i + (1 << 16)])
-echo = b""
-while len(echo) < 32:
-    b = s.recv(32 - len(echo))
-    if not b:
-        break
-    echo += b
-print(json.dumps({"mode": s.mode, "sha": hashlib.sha256(data).hexdigest(),
-                  "echo": echo.hex()}), flush=True)
-sys.stdin.readline()
+BULK_APP = (
+    COMMON
+    + r"""
+role, port, n_out, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dmb = int(sys.argv[5])
+SIZES = (65521, 1, 4093, 131071, 777, 65549, 32768, 100003, 3)
+data = os.urandom(n_out)
+if role == "server":
+    srv = smc_handoff.listen((SERVER, port), dmb_size=dmb)
+    print("LISTENING", flush=True)
+    s, _ = srv.accept()
+else:
+    s = smc_handoff.connect((SERVER, port), 60, source_address=(CLIENT, 0), dmb_size=dmb)
+print("CONNECTED " + s.mode, flush=True)
+t0 = time.monotonic()
+done = {}
+def sender():
+    try:
+        send_odd(s, data, SIZES)
+        done["send_s"] = time.monotonic() - t0
+    except BaseException as e:
+        done["send_error"] = repr(e)
+th = threading.Thread(target=sender)
+th.start()
+recv_sha, got = recv_hash(s, n, progress=t0)
+recv_s = time.monotonic() - t0
+th.join(300)
+print(json.dumps({"mode": s.mode, "sent_sha": hashlib.sha256(data).hexdigest(),
+                  "recv_sha": recv_sha, "received": got, "recv_s": recv_s, **done}), flush=True)
+sys.stdin.readline()  # keep the connection while the test looks at smcctl
 s.close()
 """
+)
+
+MANY_SERVER = (
+    COMMON
+    + r"""
+port, count = int(sys.argv[1]), int(sys.argv[2])
+srv = smc_handoff.listen((SERVER, port), backlog=128)
+print("LISTENING", flush=True)
+results, threads = {}, []
+def serve(c, peer_port):
+    r = {"mode": c.mode}
+    try:
+        n = struct.unpack("!Q", recv_exact(c, 8))[0]
+        r["recv_sha"], r["received"] = recv_hash(c, n)
+        out = os.urandom(n + 1001)
+        r["sent_sha"] = hashlib.sha256(out).hexdigest()
+        c.sendall(bytes.fromhex(r["recv_sha"]) + struct.pack("!Q", len(out)))
+        send_odd(c, out, (40009, 1, 65537, 777))
+        r["eof"] = c.recv(1) == b""
+    except BaseException as e:
+        r["error"] = repr(e)
+    finally:
+        c.close()
+    results[peer_port] = r
+for _ in range(count):
+    c, addr = srv.accept()
+    t = threading.Thread(target=serve, args=(c, addr[1]))
+    t.start()
+    threads.append(t)
+for t in threads:
+    t.join(240)
+print(json.dumps(results), flush=True)
+srv.close()
+"""
+)
+
+MANY_CLIENT = (
+    COMMON
+    + r"""
+from concurrent.futures import ThreadPoolExecutor
+port, count = int(sys.argv[1]), int(sys.argv[2])
+T0 = time.monotonic()
+def dial(i=0):
+    s = smc_handoff.connect((SERVER, port), 60, source_address=(CLIENT, 0))
+    if i % 10 == 9:
+        note(f"{time.monotonic() - T0:.1f} s: connection {i + 2} ({s.mode})")
+    return s
+socks = [dial()]
+print("FIRST " + socks[0].mode, flush=True)
+sys.stdin.readline()
+# one after the other: the server's accept loop hands its connections to its daemon in
+# accept order, so concurrent dials could make the two daemons wait on each other
+socks += [dial(i) for i in range(count - 1)]
+print("OPEN " + json.dumps(sorted({s.mode for s in socks})), flush=True)
+sys.stdin.readline()
+def exchange(i):
+    s = socks[i]
+    r = {"port": s.getsockname()[1], "mode": s.mode}
+    try:
+        data = os.urandom(70001 + 1009 * i)  # all cross the 64 KiB ring's wrap
+        r["sent_sha"] = hashlib.sha256(data).hexdigest()
+        s.sendall(struct.pack("!Q", len(data)))
+        send_odd(s, data, (30011, 7, 65536, 4099))
+        r["echo_sha"] = recv_exact(s, 32).hex()
+        n = struct.unpack("!Q", recv_exact(s, 8))[0]
+        r["recv_sha"], r["received"] = recv_hash(s, n)
+        r["expected"] = n
+    except BaseException as e:
+        r["error"] = repr(e)
+    return r
+with ThreadPoolExecutor(count) as ex:
+    out = list(ex.map(exchange, range(count)))
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+for s in socks:
+    s.close()
+"""
+)
+
+# ---------------------------------------------------------------------------- the daemons
 
 
 @dataclass
@@ -89,26 +238,46 @@ class Daemon:
     def bus(self) -> str:
         return (self.run / "bus.address").read_text().strip()
 
+    def ctl_cmd(self, *args: str) -> list[str]:
+        return [str(SMCCTL), "--bus", self.bus, *args]
+
     def ctl(self, *args: str) -> str:
-        r = subprocess.run(
-            [str(SMCCTL), "--bus", self.bus, *args],
-            capture_output=True,
-            text=True,
-            timeout=WAIT,
-        )
-        assert r.returncode == 0, f"smcctl {' '.join(args)} on {self.name}: {r.stderr}"
-        return r.stdout
+        return ctl_all([(self, args)])[0]
+
+    def tail(self, n: int = 3000) -> str:
+        return f"--- smcd {self.name}\n{self.log.read_text(errors='replace')[-n:]}"
 
 
-def _start(scratch: Path, name: str) -> Daemon:
-    base = scratch / name
+def ctl_all(calls: list[tuple[Daemon, tuple[str, ...]]]) -> list[str]:
+    """Several smcctl calls at once (each is a Python start-up under TCG: seconds)."""
+    procs = [
+        (d, args, subprocess.Popen(d.ctl_cmd(*args), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True))
+        for d, args in calls
+    ]  # fmt: skip
+    out = []
+    for d, args, p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        assert p.returncode == 0, f"smcctl {' '.join(args)} on {d.name}: {stderr}"
+        out.append(stdout)
+    return out
+
+
+def _start(base: Path, name: str) -> Daemon:
     base.mkdir(parents=True, exist_ok=True)
     cfg = base / "smcd.toml"
+    # linger: the module's connections all land in the link group the first one created
     cfg.write_text(
         f'peers = ["192.0.2.0/24"]\n[eid]\nueids = ["{UEID}"]\n'
-        f"[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\n"
+        f"[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\nlinger = 900.0\n"
+        # one link: the link group's single QP is what the 100-connection test follows
+        f"[smcr]\nmax_links = 1\n"
     )
-    run = Path(tempfile.mkdtemp(prefix=f"smcd-{name}-"))  # 9p (scratch) holds no sockets
+    run = Path(tempfile.mkdtemp(prefix=f"smcd-{name}-"))  # 9p (out dir) holds no sockets
     handoff = run / "handoff.sock"
     log = base / "smcd.log"
     proc = subprocess.Popen(
@@ -126,18 +295,19 @@ def _wait_ready(d: Daemon) -> None:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         if d.proc.poll() is not None:
-            pytest.fail(f"smcd {d.name} exited {d.proc.returncode}:\n{d.log.read_text()[-4000:]}")
+            pytest.fail(f"smcd {d.name} exited {d.proc.returncode}:\n{d.tail(4000)}")
         if d.handoff.exists() and (d.run / "bus.address").exists():
             with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
                 d.ctl("conns")
                 return
         time.sleep(0.5)
-    pytest.fail(f"smcd {d.name} not ready within {WAIT:g} s:\n{d.log.read_text()[-4000:]}")
+    pytest.fail(f"smcd {d.name} not ready within {WAIT:g} s:\n{d.tail(4000)}")
 
 
-@pytest.fixture
-def daemons(scratch: Path) -> Iterator[tuple[Daemon, Daemon]]:
-    a, b = _start(scratch, "a"), _start(scratch, "b")
+@pytest.fixture(scope="module")
+def daemons(out_dir: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    base = out_dir / "scratch" / "smcd_daemons_smcr"
+    a, b = _start(base / "a", "a"), _start(base / "b", "b")
     try:
         _wait_ready(a)
         _wait_ready(b)
@@ -151,77 +321,254 @@ def daemons(scratch: Path) -> Iterator[tuple[Daemon, Daemon]]:
                 except subprocess.TimeoutExpired:
                     d.proc.kill()
                     d.proc.wait()
+            shutil.rmtree(d.run, ignore_errors=True)
 
 
-def _app(script: str, d: Daemon, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, SMCD_HANDOFF_SOCKET=str(d.handoff), SMCD_HANDOFF_TIMEOUT="60")
-    return subprocess.Popen(
-        [str(PY), "-c", script, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=str(ROOT),
-    )
+# ---------------------------------------------------------------------------- helpers
 
 
-def _line(
-    p: subprocess.Popen[str],
-    what: str,
-    logs: list[Daemon],
-    others: tuple[subprocess.Popen[str] | None, ...] = (),
-) -> str:
-    assert p.stdout is not None
-    line = p.stdout.readline()  # the app has its own deadlines (connect 60 s, daemon waits)
-    if not line:
+class Apps:
+    """The application processes of one test: started with their daemon's handoff socket,
+    always reaped, their stderr and the daemons' logs shown when one goes silent."""
+
+    def __init__(self, daemons: tuple[Daemon, Daemon]) -> None:
+        self.daemons = daemons
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+
+    def start(self, name: str, script: str, d: Daemon, *args: object) -> subprocess.Popen[str]:
+        env = dict(os.environ, SMCD_HANDOFF_SOCKET=str(d.handoff), SMCD_HANDOFF_TIMEOUT="60")
+        p = subprocess.Popen(
+            [str(PY), "-c", script, *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+        self.procs[name] = p
+        return p
+
+    def line(self, name: str) -> str:
+        """The next line of an application (each has its own deadlines: connect 60 s, the
+        daemon's handshake timers, the test's pytest timeout as the last resort)."""
+        p = self.procs[name]
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            pytest.fail(f"{name} app printed nothing more:\n{self.context()}")
+        return line.strip()
+
+    def tell(self, name: str) -> None:
+        p = self.procs[name]
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+    def context(self) -> str:
         text = []
-        for q, name in ((p, what), *((o, "other app") for o in others if o is not None)):
-            if q.poll() is None:
-                q.kill()
-            text.append(f"--- {name} (exit {q.wait()})\n{q.stderr.read() if q.stderr else ''}")
-        tails = "\n".join(f"--- smcd {d.name}\n{d.log.read_text()[-3000:]}" for d in logs)
-        pytest.fail(f"{what} printed nothing:\n" + "\n".join(text) + f"\n{tails}")
-    return line.strip()
+        for name, p in self.procs.items():
+            if p.poll() is None:
+                p.kill()
+            err = p.stderr.read() if p.stderr else ""
+            text.append(f"--- {name} app (exit {p.wait()})\n{err[-3000:]}")
+        return "\n".join(text + [d.tail() for d in self.daemons])
 
-
-@pytest.mark.timeout(290)
-def test_two_daemons_smcr_transfer(daemons: tuple[Daemon, Daemon]) -> None:
-    a, b = daemons
-    server = _app(SERVER_APP, b, str(PORT))
-    client = None
-    try:
-        assert _line(server, "server app", [a, b]) == "LISTENING"
-        client = _app(CLIENT_APP, a, str(PORT), str(SIZE))
-        c = json.loads(_line(client, "client app", [a, b], (server,)))
-        s = json.loads(_line(server, "server app", [a, b], (client,)))
-        tails = "\n".join(f"--- smcd {d.name}\n{d.log.read_text()[-3000:]}" for d in (a, b))
-        assert (c["mode"], s["mode"]) == ("smcr", "smcr"), f"{c} {s}\n{tails}"
-        assert s["bytes"] == SIZE
-        assert s["sha"] == c["sha"] == c["echo"]
-        for d, role, dev in ((a, "CLNT", "rxe_a0"), (b, "SERV", "rxe_b0")):
-            conns = d.ctl("conns", "-R")
-            assert "SMCR" in conns, f"smcctl conns on {d.name}:\n{conns}"
-            lgs = d.ctl("linkgroup", "show", "--links")
-            words = lgs.split()
-            assert {"SMC-R", role, "ACTIVE", dev} <= set(words), (
-                f"smcctl linkgroup on {d.name}:\n{lgs}"
-            )
-            print(f"--- {d.name}\n{conns}\n{lgs}")
-    finally:
-        for p in (client, server):
-            if p is None:
-                continue
-            with contextlib.suppress(Exception):
-                assert p.stdin is not None
-                p.stdin.write("\n")
-                p.stdin.flush()
+    def finish(self) -> None:
+        """Let every application go (a newline on stdin), then reap it; each must exit 0."""
+        for name in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                self.tell(name)
+        failed = []
+        for name, p in self.procs.items():
             try:
-                p.wait(60)
+                p.wait(90)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    assert server.returncode == 0, server.stderr.read() if server.stderr else ""
-    assert client is not None and client.returncode == 0, (
-        client.stderr.read() if client and client.stderr else ""
-    )
+            if p.returncode != 0:
+                failed.append(f"{name} app exit {p.returncode}: {p.stderr.read()[-3000:]}")
+        assert not failed, "\n".join(failed)
+
+
+Views = list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]
+
+
+def views(ds: list[Daemon], port: int, *, conns: bool = True) -> Views:
+    """Per daemon: (its SMC-R link groups with their links, its SMC-R connections to or from
+    ``port``, [] unless ``conns``) as ``smcctl --json`` shows them; all asked at once."""
+    calls: list[tuple[Daemon, tuple[str, ...]]] = []
+    for d in ds:
+        calls.append((d, ("--json", "linkgroup", "show", "--links")))
+        if conns:
+            calls.append((d, ("--json", "conns", "-R")))
+    out = iter(ctl_all(calls))
+    res: Views = []
+    for _d in ds:
+        lgs = [g for g in json.loads(next(out)) if g.get("Type") == "SMC-R"]
+        mine = [
+            c
+            for c in (json.loads(next(out)) if conns else [])
+            if c.get("Mode") == "SMCR" and port in (c.get("LocalPort"), c.get("PeerPort"))
+        ]
+        res.append((lgs, mine))
+    return res
+
+
+def one_link(lgs: list[dict[str, Any]], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    assert len(lgs) == 1, f"{where}: {len(lgs)} SMC-R link groups, want 1:\n{lgs}"
+    links = lgs[0]["LinkObjects"]
+    assert len(links) == 1, f"{where}: {len(links)} links in the link group, want 1:\n{links}"
+    assert links[0]["State"] == "ACTIVE", f"{where}: {links[0]}"
+    return lgs[0], links[0]
+
+
+def report(scratch: Path, text: str) -> None:
+    """A figure worth keeping: printed (``-s``) and saved next to the test's scratch files
+    (the guest log keeps no output of passing tests)."""
+    print(f"\n{text}")
+    with (scratch / "figures.txt").open("a") as f:
+        f.write(text + "\n")
+
+
+def profile(apps: Apps, dest: Path) -> list[tuple[str, Path, subprocess.Popen[bytes]]]:
+    """py-spy (sampling, no stop of the target) on both daemons and both applications for
+    :data:`PROFILE` seconds: collapsed stacks in ``dest`` (SMCD_GUEST_PROFILE=seconds)."""
+    a, b = apps.daemons
+    pids = {"smcd-a": a.proc.pid, "smcd-b": b.proc.pid}
+    pids.update({f"app-{n}": p.pid for n, p in apps.procs.items()})
+    out = []
+    for name, pid in pids.items():
+        path = dest / f"pyspy-{name}.txt"
+        cmd = [str(PYSPY), "record", "--pid", str(pid), "--duration", str(int(PROFILE)),
+               "--rate", "50", "--nonblocking", "--threads", "--format", "raw",
+               "--output", str(path)]  # fmt: skip
+        spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out.append((name, path, spy))
+    return out
+
+
+def top(path: Path, n: int = 12) -> str:
+    """The ``n`` most sampled leaf frames (self time) of a collapsed-stack file."""
+    counts: dict[str, int] = {}
+    total = 0
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            stack, _, k = line.rpartition(" ")
+            leaf = stack.rsplit(";", 1)[-1]
+            counts[leaf] = counts.get(leaf, 0) + int(k)
+            total += int(k)
+    best = sorted(counts.items(), key=lambda kv: -kv[1])[:n]
+    return "\n".join(f"{100 * k / max(total, 1):5.1f}%  {f}" for f, k in best) or "(no samples)"
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.timeout(600)
+def test_64mib_checksummed_through_the_daemons(
+    daemons: tuple[Daemon, Daemon], scratch: Path
+) -> None:
+    a, b = daemons
+    apps = Apps(daemons)
+    try:
+        apps.start("server", BULK_APP, b, "server", BULK_PORT, BACK, BULK, BULK_RMB)
+        assert apps.line("server") == "LISTENING"
+        t0 = time.monotonic()
+        apps.start("client", BULK_APP, a, "client", BULK_PORT, BULK, BACK, BULK_RMB)
+        assert apps.line("client") == "CONNECTED smcr", apps.context()
+        assert apps.line("server") == "CONNECTED smcr", apps.context()
+        spies = profile(apps, scratch) if PROFILE else []
+        c = json.loads(apps.line("client"))
+        s = json.loads(apps.line("server"))
+        wall = time.monotonic() - t0
+        assert (c["mode"], s["mode"]) == ("smcr", "smcr"), f"{c} {s}\n{apps.context()}"
+        assert "send_error" not in c and "send_error" not in s, f"{c} {s}"
+        assert (c["received"], s["received"]) == (BACK, BULK), f"{c} {s}"
+        assert s["recv_sha"] == c["sent_sha"], "client → server data differs"
+        assert c["recv_sha"] == s["sent_sha"], "server → client data differs"
+        mib, back = BULK / (1 << 20), BACK / (1 << 20)
+        report(
+            scratch,
+            f"{mib:g} MiB client → server and {back:g} MiB back at the same time, "
+            f"{BULK_RMB >> 10} KiB RMBs: the server received in {s['recv_s']:.1f} s "
+            f"({mib / s['recv_s']:.2f} MiB/s), the client in {c['recv_s']:.1f} s "
+            f"({back / c['recv_s']:.2f} MiB/s); {wall:.1f} s from the client's start",
+        )
+        # the connection's own view is the 100-connection test's (smcctl is slow under TCG)
+        [(lgs_a, _), (lgs_b, _)] = views([a, b], BULK_PORT, conns=False)
+        for d, lgs, role, dev in ((a, lgs_a, "CLNT", "rxe_a0"), (b, lgs_b, "SERV", "rxe_b0")):
+            lg, link = one_link(lgs, f"smcd {d.name}")
+            assert lg["Role"] == role and link["IbDev"] == dev, f"smcd {d.name}: {lg}"
+            assert lg["Connections"] >= 1 and link["Connections"] >= 1, f"smcd {d.name}: {lg}"
+        for name, path, spy in spies:
+            spy.wait(PROFILE + 120)
+            print(f"--- py-spy {name} ({path.name}): most sampled leaf frames\n{top(path)}")
+    finally:
+        apps.finish()
+
+
+@pytest.mark.timeout(600)
+def test_100_connections_one_link_group_one_qp(
+    daemons: tuple[Daemon, Daemon], scratch: Path
+) -> None:
+    a, b = daemons
+    apps = Apps(daemons)
+    try:
+        apps.start("server", MANY_SERVER, b, MANY_PORT, CONNS)
+        assert apps.line("server") == "LISTENING"
+        t0 = time.monotonic()
+        apps.start("client", MANY_CLIENT, a, MANY_PORT, CONNS)
+        assert apps.line("client") == "FIRST smcr", apps.context()
+        [(lgs_a, _), (lgs_b, _)] = views([a, b], MANY_PORT, conns=False)
+        _, link_a = one_link(lgs_a, "smcd a after the first connection")
+        _, link_b = one_link(lgs_b, "smcd b after the first connection")
+        qpn_a, qpn_b = link_a["Qpn"], link_b["Qpn"]
+        assert (link_a["PeerQpn"], link_b["PeerQpn"]) == (qpn_b, qpn_a), (link_a, link_b)
+
+        apps.tell("client")
+        t1 = time.monotonic()
+        assert apps.line("client") == 'OPEN ["smcr"]', apps.context()
+        opened = time.monotonic() - t1
+        client: list[dict[str, Any]] = []
+        moved = 0.0
+        for step in ("all open", "after the data"):
+            # smcctl is a Python start-up under TCG: the connections once, the QPs twice
+            after = step != "all open"
+            [(lgs_a, conns_a), (lgs_b, conns_b)] = views([a, b], MANY_PORT, conns=not after)
+            for d, lgs, conns, qpn, peer_qpn in (
+                (a, lgs_a, conns_a, qpn_a, qpn_b),
+                (b, lgs_b, conns_b, qpn_b, qpn_a),
+            ):
+                where = f"smcd {d.name}, {step}"
+                lg, link = one_link(lgs, where)
+                assert (link["Qpn"], link["PeerQpn"]) == (qpn, peer_qpn), f"{where}: {link}"
+                assert lg["Connections"] == CONNS, f"{where}: {lg}"
+                if after:
+                    continue
+                assert len(conns) == CONNS, f"{where}: {len(conns)} SMC-R connections"
+                assert {c["LinkGroup"] for c in conns} == {lg["Path"]}, where
+                assert {c["Link"] for c in conns} == {link["Path"]}, where
+            if not after:
+                apps.tell("client")
+                t2 = time.monotonic()
+                client = json.loads(apps.line("client"))
+                moved = time.monotonic() - t2
+        apps.tell("client")
+        server = json.loads(apps.line("server"))
+        assert len(client) == CONNS and len(server) == CONNS
+        for r in client:
+            assert "error" not in r and r["mode"] == "smcr", r
+            s = server[str(r["port"])]
+            assert "error" not in s and s["mode"] == "smcr" and s["eof"], s
+            assert s["recv_sha"] == r["sent_sha"] == r["echo_sha"], (r, s)
+            assert r["recv_sha"] == s["sent_sha"] and r["received"] == r["expected"], (r, s)
+        total = sum(r["received"] + s["received"] for r in client for s in [server[str(r["port"])]])
+        report(
+            scratch,
+            f"{CONNS} connections on one link group, QPN {qpn_a:#x} (a) / {qpn_b:#x} (b): "
+            f"99 opened in {opened:.1f} s, {total / (1 << 20):.1f} MiB moved in {moved:.1f} s, "
+            f"{time.monotonic() - t0:.1f} s in all",
+        )
+    finally:
+        apps.finish()
