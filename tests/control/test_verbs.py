@@ -196,3 +196,45 @@ def test_sysfs_multiple_devices_and_missing_root(tmp_path: Path) -> None:
 def test_parse_gid_text_rejects_malformed(text: str) -> None:
     with pytest.raises(ValueError):
         parse_gid_text(text)
+
+
+class CountingWatcher(RdmaWatcher):
+    """Counts full rediscoveries (the expensive part: every device opened)."""
+
+    full_scans = 0
+
+    async def rescan(self) -> None:
+        self.full_scans += 1
+        await super().rescan()
+
+
+def test_periodic_check_rediscovers_only_when_the_device_list_changes(tmp_path: Path) -> None:
+    async def main() -> None:
+        watcher = CountingWatcher(
+            DeviceInventory(), rescan_interval=0.02, full_rescan_interval=3600.0, sysfs_root=tmp_path
+        )
+        await watcher.start()
+        try:
+            await asyncio.sleep(0.3)  # ~15 ticks, nothing changed
+            assert watcher.full_scans == 1
+            (tmp_path / "rxe_new").mkdir()  # a device appears (rdma link add)
+            for _ in range(100):
+                if watcher.full_scans > 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert watcher.full_scans > 1
+        finally:
+            await watcher.stop()
+
+        safety = CountingWatcher(
+            DeviceInventory(), rescan_interval=0.02, full_rescan_interval=0.05, sysfs_root=tmp_path
+        )
+        (tmp_path / "rxe_new").rmdir()
+        await safety.start()
+        try:
+            await asyncio.sleep(0.4)
+            assert safety.full_scans >= 3  # the safety net still runs
+        finally:
+            await safety.stop()
+
+    asyncio.run(main())
