@@ -211,7 +211,10 @@ class CountingWatcher(RdmaWatcher):
 def test_periodic_check_rediscovers_only_when_the_device_list_changes(tmp_path: Path) -> None:
     async def main() -> None:
         watcher = CountingWatcher(
-            DeviceInventory(), rescan_interval=0.02, full_rescan_interval=3600.0, sysfs_root=tmp_path
+            DeviceInventory(),
+            rescan_interval=0.02,
+            full_rescan_interval=3600.0,
+            sysfs_root=tmp_path,
         )
         await watcher.start()
         try:
