@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import subprocess
@@ -215,6 +216,17 @@ _PRIVATE_BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC
 """
 
 
+#: What systemd hands smcd itself; a child that saw it would speak for smcd (the private
+#: dbus-daemon sent its own READY=1 on NOTIFY_SOCKET before smcd's service was on its bus).
+_SERVICE_MANAGER_ENV = (
+    "NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES",
+)  # fmt: skip
+
+
+def _without_service_manager(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _SERVICE_MANAGER_ENV}
+
+
 class PrivateBus:
     """A dbus-daemon of smcd's own (``dbus.bus = "private"``): for demos and tests on machines
     without a session bus. Only the uid smcd runs as may connect (dbus-daemon's default)."""
@@ -238,6 +250,7 @@ class PrivateBus:
                  "--nosyslog"],
                 stdout=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
+                env=_without_service_manager(os.environ),
             )  # fmt: skip
         except OSError as e:
             raise StartupError(

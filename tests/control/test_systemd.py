@@ -8,6 +8,7 @@ activation file, and the real journal protocol on a journal socket in a private 
 from __future__ import annotations
 
 import configparser
+import contextlib
 import itertools
 import json
 import logging
@@ -518,3 +519,49 @@ def test_journal_protocol_for_real_in_a_private_mount_namespace() -> None:
     assert f["PRIORITY"] == "4"
     assert f["SYSLOG_IDENTIFIER"] == "smcd"
     assert f["LOGGER"] == "smcd.test"
+
+
+def test_only_smcd_speaks_on_notify_socket_with_a_private_bus(tmp_path: Path) -> None:
+    """smcd's private dbus-daemon must not inherit NOTIFY_SOCKET: it would tell systemd READY=1
+    before smcd's own service is on that bus (and, with NotifyAccess=all, be believed)."""
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(os.fspath(path))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.settimeout(0.2)
+        proc = subprocess.Popen(
+            [PY, "-c", "import sys; from smcd_daemon.daemon import main; sys.exit(main())",
+             "--bus", "private",
+             "--runtime-dir", os.fspath(tmp_path / "run"),
+             "--state-dir", os.fspath(tmp_path / "state"),
+             "--handoff-socket", os.fspath(tmp_path / "handoff.sock")],
+            env=_child_env(NOTIFY_SOCKET=os.fspath(path)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        senders: list[tuple[int, str]] = []
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and (proc.pid, "READY=1") not in senders:
+                try:
+                    data, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+                except TimeoutError:
+                    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                    continue
+                pid = next(
+                    int.from_bytes(d[:4], sys.byteorder)
+                    for level, kind, d in anc
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+                )
+                senders += [(pid, line) for line in data.decode().splitlines()]
+            time.sleep(0.5)  # anything a child would still send
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    data, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+                    senders.append((-1, data.decode()))
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            if proc.stderr:
+                proc.stderr.close()
+    assert (proc.pid, "READY=1") in senders, senders
+    assert {pid for pid, _ in senders if pid != -1} == {proc.pid}, senders
