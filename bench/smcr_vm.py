@@ -31,12 +31,10 @@ import contextlib
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +50,7 @@ ROOT = HERE.parent
 sys.path.insert(0, os.fspath(ROOT))
 
 import smc_handoff  # noqa: E402
+from smcd_daemon.demo import DaemonStartError, PrivateSmcd, stop_all  # noqa: E402
 
 SERVER = "192.0.2.2"
 CLIENT = "192.0.2.1"
@@ -150,74 +149,38 @@ class Results:
 # ---------------------------------------------------------------------------- the daemons
 
 
-@dataclass
-class Daemon:
-    name: str
-    proc: subprocess.Popen[bytes]
-    run: Path
-    handoff: Path
-    log: Path
-
-
-def _start_daemon(logs: Path, name: str) -> Daemon:
-    base = logs / name
-    base.mkdir(parents=True, exist_ok=True)
-    cfg = base / "smcd.toml"
-    cfg.write_text(
+def _daemon(logs: Path, name: str) -> PrivateSmcd:
+    """One simulated host's smcd (``smcd_daemon.demo.PrivateSmcd``): config, log and state in
+    ``logs/name``, sockets in a fresh /tmp dir (``logs`` may be 9p, which holds no sockets)."""
+    config = (
         f'peers = ["192.0.2.0/24"]\n[eid]\nueids = ["{UEID}"]\n'
         "[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\nlinger = 600.0\n"
         "[smcr]\nmax_links = 1\n"  # one link: the figures are those of one virtio wire
     )
-    run = Path(tempfile.mkdtemp(prefix=f"smcd-bench-{name}-"))  # sockets: not on 9p
-    handoff = run / "handoff.sock"
-    log = base / "smcd.log"
-    smcd = Path(sys.executable).parent / "smcd"
-    cmd = [str(smcd)] if smcd.exists() else [sys.executable, "-m", "smcd_daemon"]
-    proc = subprocess.Popen(
-        [*cmd, "--config", str(cfg), "--bus", "private", "--runtime-dir", str(run),
-         "--state-dir", str(base / "state"), "--handoff-socket", str(handoff),
-         "--log-level", "info"],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
-        stdin=subprocess.DEVNULL,
-        cwd=ROOT,
-    )  # fmt: skip
-    return Daemon(name, proc, run, handoff, log)
-
-
-def _wait_ready(d: Daemon, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise RuntimeError(f"smcd {d.name} exited {d.proc.returncode}; log: {d.log}")
-        if d.handoff.exists():
-            with (
-                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s,
-                contextlib.suppress(OSError),
-            ):
-                s.connect(os.fspath(d.handoff))
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"smcd {d.name} not ready within {READY_TIMEOUT:g} s; log: {d.log}")
+    return PrivateSmcd(log_level="info", config_text=config, home=logs / name, name=f"bench-{name}")
 
 
 @contextlib.contextmanager
-def two_daemons(logs: Path) -> Iterator[tuple[Daemon, Daemon]]:
-    a, b = _start_daemon(logs, "a"), _start_daemon(logs, "b")
+def two_daemons(logs: Path) -> Iterator[tuple[PrivateSmcd, PrivateSmcd]]:
+    """Daemons A and B, launched together and ready (``READY=1``) within
+    :data:`READY_TIMEOUT`; stopped together at the end. A start-up failure is a RuntimeError
+    that names the log."""
+    a, b = _daemon(logs, "a"), _daemon(logs, "b")
     try:
+        a.launch()
+        b.launch()
         deadline = time.monotonic() + READY_TIMEOUT
-        _wait_ready(a, deadline)
-        _wait_ready(b, deadline)
+        for name, d in (("a", a), ("b", b)):
+            try:
+                d.wait_ready(max(0.0, deadline - time.monotonic()))
+            except DaemonStartError as e:
+                why = str(e).splitlines()[0]
+                raise RuntimeError(f"smcd {name}: {why}; log: {d.log_path}") from None
         yield a, b
     finally:
-        for d in (a, b):
-            if d.proc.poll() is None:
-                d.proc.terminate()
-                try:
-                    d.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait()
-            shutil.rmtree(d.run, ignore_errors=True)
+        stop_all((a, b), 30.0)
+        a.cleanup()
+        b.cleanup()
 
 
 # ---------------------------------------------------------------------------- the pairs
@@ -226,7 +189,7 @@ def two_daemons(logs: Path) -> Iterator[tuple[Daemon, Daemon]]:
 class Pair:
     """Dialing (parent, host A) and accepting (child, host B) for one kind of stream."""
 
-    def __init__(self, kind: str, a: Daemon, b: Daemon, dmb_size: int = 0) -> None:
+    def __init__(self, kind: str, a: PrivateSmcd, b: PrivateSmcd, dmb_size: int = 0) -> None:
         self.kind, self.a, self.b, self.dmb_size = kind, a, b, dmb_size
 
     def dial(self) -> socket.socket:
@@ -274,7 +237,7 @@ class Pair:
             os.close(rd)
             code = 0
             try:
-                os.environ["SMCD_HANDOFF_SOCKET"] = str(self.b.handoff)
+                os.environ["SMCD_HANDOFF_SOCKET"] = str(self.b.handoff_socket)
                 try:
                     accept = self.listen()
                 except NotOnSmcr as e:
@@ -296,7 +259,7 @@ class Pair:
             hello = os.read(rd, 4096) if ready else b""
         finally:
             os.close(rd)
-        os.environ["SMCD_HANDOFF_SOCKET"] = str(self.a.handoff)
+        os.environ["SMCD_HANDOFF_SOCKET"] = str(self.a.handoff_socket)
         try:
             if hello.startswith(b"N"):
                 raise NotOnSmcr(hello[1:].decode(errors="replace"))
@@ -495,7 +458,7 @@ def _pct(ordered: list[int], p: int) -> float:
 # ---------------------------------------------------------------------------- the run
 
 
-def measure(plan: Plan, a: Daemon, b: Daemon, log: Callable[[str], None]) -> Results:
+def measure(plan: Plan, a: PrivateSmcd, b: PrivateSmcd, log: Callable[[str], None]) -> Results:
     res = Results()
     metrics: list[tuple[str, Callable[[Pair, Plan], tuple[Any, ...]], tuple[str, ...]]] = [
         ("throughput", throughput, ("tput",)),

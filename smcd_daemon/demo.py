@@ -18,7 +18,8 @@
 6. The daemon is stopped with SIGTERM and must exit 0.
 
 Exit status 0 only if every check passed; each failed check prints a ``FAILED:`` line.
-``PrivateSmcd`` is also what ``bench/run.py`` uses to get a daemon of its own.
+``PrivateSmcd`` is also what ``bench/run.py``, ``bench/smcr_vm.py`` and the VM tests' daemon helpers
+(``tests/vm/guest/daemons.py``) use to get daemons of their own.
 
 Run: ``python -m smcd_daemon.demo`` (``--role`` is internal: the demo's two application
 processes are this module run again).
@@ -41,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,31 +248,67 @@ def _tool(name: str, module: str, func: str) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
 
 
+def _notified_ready(notify: socket.socket, pid: int) -> bool:
+    """Read one datagram from a ``SO_PASSCRED`` notify socket: is it ``READY=1`` from ``pid``
+    (as systemd's ``NotifyAccess=main`` sees it)?"""
+    creds = struct.calcsize("iII")
+    data, ancdata, _flags, _addr = notify.recvmsg(4096, socket.CMSG_SPACE(creds))
+    sender = None
+    for level, kind, value in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(value) >= creds:
+            sender = struct.unpack("iII", value[:creds])[0]
+    return sender == pid and b"READY=1" in data.split(b"\n")
+
+
 @dataclass
 class PrivateSmcd:
     """A real ``smcd`` of our own: runtime dir, state dir, handoff socket and a private D-Bus bus
     all under a fresh temporary directory, so it can run next to a system smcd, as root or not.
 
     ``env`` is what a process needs to use it: ``SMCD_HANDOFF_SOCKET`` for ``smc_handoff`` and
-    ``SMCD_BUS``/``SMCD_RUNTIME_DIR`` for ``smcctl``.
+    ``SMCD_BUS``/``SMCD_RUNTIME_DIR`` for ``smcctl``. :meth:`start` is :meth:`launch` then
+    :meth:`wait_ready`; the two halves let a caller start several daemons that come up at the
+    same time (the VM tests and ``bench/smcr_vm.py``, where each start-up costs tens of seconds),
+    and :func:`stop_all` ends several at once.
     """
 
     log_level: str = "info"
     config_text: str = ""
     """TOML for ``--config`` (empty: smcd's embedded defaults, as an unconfigured user has)."""
+    home: Path | None = None
+    """Where the configuration, the log and the state dir go, kept after :meth:`cleanup` (a
+    test's or a bench's output dir); None: the temporary runtime dir. The sockets always stay in
+    the runtime dir, which is local (a shared 9p dir holds no sockets)."""
+    name: str = "demo"
+    """Names the temporary runtime dir (``smcd-NAME-…``)."""
     workdir: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
+    _notify: socket.socket | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="smcd-demo-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"smcd-{self.name}-"))
+
+    @property
+    def files(self) -> Path:
+        """The directory of the configuration, log and state (``home`` or the runtime dir)."""
+        return self.home if self.home is not None else self.workdir
 
     @property
     def handoff_socket(self) -> Path:
         return self.workdir / "handoff.sock"
 
     @property
+    def config_path(self) -> Path:
+        return self.files / "smcd.toml"
+
+    @property
     def log_path(self) -> Path:
-        return self.workdir / "smcd.log"
+        return self.files / "smcd.log"
+
+    @property
+    def bus_address_path(self) -> Path:
+        """Where smcd writes the address of its private bus (in the runtime dir)."""
+        return self.workdir / "bus.address"
 
     @property
     def env(self) -> dict[str, str]:
@@ -289,27 +326,45 @@ class PrivateSmcd:
 
     def start(self, timeout: float = 15.0) -> PrivateSmcd:
         """Start smcd and wait for its ``READY=1`` (raises :class:`DaemonStartError`)."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start the smcd process (with the configuration written, if any); does not wait."""
+        self.files.mkdir(parents=True, exist_ok=True)
         notify_path = self.workdir / "notify.sock"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(os.fspath(notify_path))
+        # the sender's credentials: smcd's own READY=1 counts, not its dbus-daemon's (which
+        # inherits NOTIFY_SOCKET and says READY=1 before smcd owns its name on that bus)
+        notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._notify = notify
         argv = [
             *_tool("smcd", "smcd_daemon.daemon", "main"),
             "--runtime-dir", os.fspath(self.workdir),
-            "--state-dir", os.fspath(self.workdir / "state"),
+            "--state-dir", os.fspath(self.files / "state"),
             "--handoff-socket", os.fspath(self.handoff_socket),
             "--bus", "private",
             "--log-level", self.log_level,
         ]  # fmt: skip
         if self.config_text:
-            config = self.workdir / "smcd.toml"
-            config.write_text(self.config_text)
-            argv += ["--config", os.fspath(config)]
+            self.config_path.write_text(self.config_text)
+            argv += ["--config", os.fspath(self.config_path)]
         env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_PID")}
         env["NOTIFY_SOCKET"] = os.fspath(notify_path)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        """Wait for the ``READY=1`` of a :meth:`launch`: smcd sends it once its handoff socket
+        and its D-Bus service are up. Raises :class:`DaemonStartError` (the daemon stopped, if
+        it was still starting) with the log."""
+        notify, self._notify = self._notify, None
+        if notify is None or self.proc is None:
+            raise DaemonStartError("smcd was not launched")
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -323,31 +378,23 @@ class PrivateSmcd:
                     self.stop()
                     raise DaemonStartError(f"smcd not ready within {timeout:g} s:\n{self.log()}")
                 ready, _, _ = select.select([notify], [], [], min(left, 0.2))
-                if ready and b"READY=1" in notify.recv(4096).split(b"\n"):
-                    return self
+                if ready and _notified_ready(notify, self.proc.pid):
+                    return
         finally:
             notify.close()
             with contextlib.suppress(OSError):
-                notify_path.unlink()
+                (self.workdir / "notify.sock").unlink()
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM and wait: the exit status (None if it had to be killed or never ran)."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                return proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                return None
-        return proc.returncode
+        return stop_all([self], timeout)[0]
 
     def cleanup(self) -> None:
         if self.proc is not None:
             self.stop()
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def smcctl(self, *args: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
@@ -385,6 +432,29 @@ class PrivateSmcd:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def stop_all(daemons: Iterable[PrivateSmcd], timeout: float = 10.0) -> list[int | None]:
+    """SIGTERM every daemon first, then wait for each (they shut down at the same time): the
+    exit statuses, as :meth:`PrivateSmcd.stop` gives them."""
+    procs = []
+    for d in daemons:
+        proc, d.proc = d.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        procs.append(proc)
+    statuses: list[int | None] = []
+    for proc in procs:
+        if proc is None:
+            statuses.append(None)
+            continue
+        try:
+            statuses.append(proc.wait(timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            statuses.append(None)
+    return statuses
 
 
 # --- the two application processes -----------------------------------------------------------

@@ -1,7 +1,8 @@
 """Helpers for guest tests that run real ``smcd`` processes and applications against each other.
 
 A :class:`Daemon` is one ``smcd`` with its own configuration file, private D-Bus, runtime dir
-(handoff socket) and log; :func:`start` launches one, :func:`wait_ready` waits until ``smcctl``
+(handoff socket) and log (a :class:`smcd_daemon.demo.PrivateSmcd`, the launcher ``make demo`` and
+``bench/smcr_vm.py`` use too); :func:`start` launches one, :func:`wait_ready` waits until ``smcctl``
 gets an answer, :meth:`Daemon.reload` rewrites the configuration and applies it with SIGHUP (and
 waits until the daemon says so), :func:`stop` ends it. ``smcctl`` runs in this process
 (:meth:`Daemon.ctl`: the real command line code over the daemon's bus, without paying for a
@@ -22,7 +23,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,8 +31,9 @@ from typing import Any
 
 import pytest
 
+from smcd_daemon.demo import DaemonStartError, PrivateSmcd, stop_all
+
 ROOT = Path(__file__).resolve().parents[3]
-SMCD = ROOT / ".venv" / "bin" / "smcd"
 PY = ROOT / ".venv" / "bin" / "python"
 WAIT = 150.0
 """Deadline for a daemon to come up or apply a reload, an app to answer (TCG is slow)."""
@@ -62,8 +63,12 @@ def config_text(
     clc_wait: float = 30.0,
     proposal_wait: float = 10.0,
     first_llc: float = 30.0,
+    linger: float | None = None,
+    max_links: int | None = None,
 ) -> str:
-    """An ``smcd.toml`` with the keys these tests vary (all of them reloadable by SIGHUP)."""
+    """An ``smcd.toml`` with the keys these tests vary (all of them reloadable by SIGHUP);
+    ``linger`` (link groups' idle time) and ``max_links`` (links per link group) only when
+    given."""
     quoted = ", ".join(json.dumps(p) for p in peers)
     ids = ", ".join(json.dumps(u) for u in ueids)
     flag = "true" if smcr else "false"
@@ -73,6 +78,8 @@ def config_text(
         f"[modes]\nsmcr_v1 = {flag}\nsmcr_v2 = {flag}\n"
         f"[timeouts]\nclc_wait = {clc_wait}\nproposal_wait = {proposal_wait}\n"
         f"first_llc = {first_llc}\n"
+        + (f"linger = {linger}\n" if linger is not None else "")
+        + (f"[smcr]\nmax_links = {max_links}\n" if max_links is not None else "")
     )
 
 
@@ -81,15 +88,13 @@ class Daemon:
     """One running ``smcd`` (see the module docstring)."""
 
     name: str
+    smcd: PrivateSmcd
     proc: subprocess.Popen[bytes]
-    config: Path
-    run: Path
-    handoff: Path
-    log: Path
+    """Kept after :func:`stop` (which clears ``smcd.proc``) for its exit status."""
 
     @property
     def bus(self) -> str:
-        return (self.run / "bus.address").read_text().strip()
+        return self.smcd.bus_address_path.read_text().strip()
 
     def ctl(self, *args: str) -> str:
         """``smcctl --bus <ours> ARGS`` (in this process); its stdout. Fails the test on a
@@ -107,7 +112,7 @@ class Daemon:
 
     def log_text(self) -> str:
         try:
-            return self.log.read_text(errors="replace")
+            return self.smcd.log_path.read_text(errors="replace")
         except OSError as e:
             return f"(log unreadable: {e})"
 
@@ -118,7 +123,7 @@ class Daemon:
         """Write ``config`` (which must change something) and SIGHUP the daemon; return once it
         logged that it applied the change."""
         start = len(self.log_text())
-        self.config.write_text(config)
+        self.smcd.config_path.write_text(config)
         self.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
@@ -136,53 +141,35 @@ class Daemon:
 def start(base: Path, name: str, config: str) -> Daemon:
     """Launch ``smcd`` with ``config``; files (config, log, state) under ``base/name``, its
     sockets in a fresh /tmp dir (``base`` may be 9p, which holds no sockets)."""
-    home = base / name
-    home.mkdir(parents=True, exist_ok=True)
-    cfg = home / "smcd.toml"
-    cfg.write_text(config)
-    run = Path(tempfile.mkdtemp(prefix=f"smcd-{name}-"))
-    handoff = run / "handoff.sock"
-    log = home / "smcd.log"
-    proc = subprocess.Popen(
-        [str(SMCD), "--config", str(cfg), "--bus", "private", "--runtime-dir", str(run),
-         "--state-dir", str(home / "state"), "--handoff-socket", str(handoff),
-         "--log-level", "debug"],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    return Daemon(name, proc, cfg, run, handoff, log)
+    smcd = PrivateSmcd(log_level="debug", config_text=config, home=base / name, name=name)
+    smcd.launch()
+    assert smcd.proc is not None
+    return Daemon(name, smcd, smcd.proc)
 
 
 def wait_ready(d: Daemon) -> None:
-    """Until the handoff socket exists and ``smcctl conns`` answers (or fail with the log)."""
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            pytest.fail(f"smcd {d.name} exited {d.proc.returncode}\n{d.tail()}")
-        if d.handoff.exists() and (d.run / "bus.address").exists():
-            with contextlib.suppress(AssertionError, OSError, ValueError):
-                d.ctl("conns")
-                return
-        time.sleep(0.5)
-    pytest.fail(f"smcd {d.name} not ready within {WAIT:g} s\n{d.tail()}")
+    """Until smcd says ``READY=1`` (its handoff socket and D-Bus service are up) and ``smcctl
+    conns`` answers (or fail with the log)."""
+    try:
+        d.smcd.wait_ready(WAIT)
+    except DaemonStartError as e:
+        pytest.fail(f"smcd {d.name}: {str(e).splitlines()[0]}\n{d.tail()}")
+    d.ctl("conns")
 
 
 def stop(daemons: Iterable[Daemon]) -> None:
-    ds = [d for d in daemons if d.proc.poll() is None]
+    """SIGTERM them all, wait for each, remove their runtime dirs (the files stay)."""
+    ds = list(daemons)
+    stop_all([d.smcd for d in ds], 30.0)
     for d in ds:
-        d.proc.terminate()
-    for d in ds:
-        try:
-            d.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait()
+        d.smcd.cleanup()
 
 
 def app(script: str, d: Daemon, *args: str) -> subprocess.Popen[str]:
     """An application process running ``script`` with ``d``'s handoff socket."""
-    env = dict(os.environ, SMCD_HANDOFF_SOCKET=str(d.handoff), SMCD_HANDOFF_TIMEOUT="60")
+    env = dict(
+        os.environ, SMCD_HANDOFF_SOCKET=str(d.smcd.handoff_socket), SMCD_HANDOFF_TIMEOUT="60"
+    )
     return subprocess.Popen(
         [str(PY), "-c", script, *args],
         stdin=subprocess.PIPE,

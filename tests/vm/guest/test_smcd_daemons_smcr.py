@@ -34,22 +34,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-SMCD = ROOT / ".venv" / "bin" / "smcd"
-SMCCTL = ROOT / ".venv" / "bin" / "smcctl"
-PY = ROOT / ".venv" / "bin" / "python"
-WAIT = 150.0
+from tests.vm.guest import daemons as dm
+from tests.vm.guest.daemons import ROOT, Daemon
+
 UEID = "SMCD-VM-DAEMONS"
 BULK = int(os.environ.get("SMCD_GUEST_DAEMONS_BULK", str(64 << 20)))
 #: seconds of py-spy sampling of both daemons and both applications during the bulk transfer
@@ -226,102 +221,24 @@ for s in socks:
 # ---------------------------------------------------------------------------- the daemons
 
 
-@dataclass
-class Daemon:
-    name: str
-    proc: subprocess.Popen[bytes]
-    run: Path
-    handoff: Path
-    log: Path
-
-    @property
-    def bus(self) -> str:
-        return (self.run / "bus.address").read_text().strip()
-
-    def ctl_cmd(self, *args: str) -> list[str]:
-        return [str(SMCCTL), "--bus", self.bus, *args]
-
-    def ctl(self, *args: str) -> str:
-        return ctl_all([(self, args)])[0]
-
-    def tail(self, n: int = 3000) -> str:
-        return f"--- smcd {self.name}\n{self.log.read_text(errors='replace')[-n:]}"
-
-
-def ctl_all(calls: list[tuple[Daemon, tuple[str, ...]]]) -> list[str]:
-    """Several smcctl calls at once (each is a Python start-up under TCG: seconds)."""
-    procs = [
-        (d, args, subprocess.Popen(d.ctl_cmd(*args), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True))
-        for d, args in calls
-    ]  # fmt: skip
-    out = []
-    for d, args, p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
-        assert p.returncode == 0, f"smcctl {' '.join(args)} on {d.name}: {stderr}"
-        out.append(stdout)
-    return out
-
-
-def _start(base: Path, name: str) -> Daemon:
-    base.mkdir(parents=True, exist_ok=True)
-    cfg = base / "smcd.toml"
-    # linger: the module's connections all land in the link group the first one created
-    cfg.write_text(
-        f'peers = ["192.0.2.0/24"]\n[eid]\nueids = ["{UEID}"]\n'
-        f"[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\nlinger = 900.0\n"
-        # one link: the link group's single QP is what the 100-connection test follows
-        f"[smcr]\nmax_links = 1\n"
-    )
-    run = Path(tempfile.mkdtemp(prefix=f"smcd-{name}-"))  # 9p (out dir) holds no sockets
-    handoff = run / "handoff.sock"
-    log = base / "smcd.log"
-    proc = subprocess.Popen(
-        [str(SMCD), "--config", str(cfg), "--bus", "private", "--runtime-dir", str(run),
-         "--state-dir", str(base / "state"), "--handoff-socket", str(handoff),
-         "--log-level", "debug"],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    return Daemon(name, proc, run, handoff, log)
-
-
-def _wait_ready(d: Daemon) -> None:
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            pytest.fail(f"smcd {d.name} exited {d.proc.returncode}:\n{d.tail(4000)}")
-        if d.handoff.exists() and (d.run / "bus.address").exists():
-            with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
-                d.ctl("conns")
-                return
-        time.sleep(0.5)
-    pytest.fail(f"smcd {d.name} not ready within {WAIT:g} s:\n{d.tail(4000)}")
-
-
 @pytest.fixture(scope="module")
 def daemons(out_dir: Path) -> Iterator[tuple[Daemon, Daemon]]:
     base = out_dir / "scratch" / "smcd_daemons_smcr"
-    a, b = _start(base / "a", "a"), _start(base / "b", "b")
+    config = dm.config_text(
+        peers=["192.0.2.0/24"],
+        ueids=[UEID],
+        # linger: the module's connections all land in the link group the first one created
+        linger=900.0,
+        # one link: the link group's single QP is what the 100-connection test follows
+        max_links=1,
+    )
+    a, b = dm.start(base, "a", config), dm.start(base, "b", config)
     try:
-        _wait_ready(a)
-        _wait_ready(b)
+        dm.wait_ready(a)
+        dm.wait_ready(b)
         yield a, b
     finally:
-        for d in (a, b):
-            if d.proc.poll() is None:
-                d.proc.terminate()
-                try:
-                    d.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait()
-            shutil.rmtree(d.run, ignore_errors=True)
+        dm.stop((a, b))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -336,16 +253,7 @@ class Apps:
         self.procs: dict[str, subprocess.Popen[str]] = {}
 
     def start(self, name: str, script: str, d: Daemon, *args: object) -> subprocess.Popen[str]:
-        env = dict(os.environ, SMCD_HANDOFF_SOCKET=str(d.handoff), SMCD_HANDOFF_TIMEOUT="60")
-        p = subprocess.Popen(
-            [str(PY), "-c", script, *map(str, args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=str(ROOT),
-        )
+        p = dm.app(script, d, *map(str, args))
         self.procs[name] = p
         return p
 
@@ -372,7 +280,7 @@ class Apps:
                 p.kill()
             err = p.stderr.read() if p.stderr else ""
             text.append(f"--- {name} app (exit {p.wait()})\n{err[-3000:]}")
-        return "\n".join(text + [d.tail() for d in self.daemons])
+        return "\n".join(text + [d.tail(3000) for d in self.daemons])
 
     def finish(self) -> None:
         """Let every application go (a newline on stdin), then reap it; each must exit 0."""
@@ -387,7 +295,8 @@ class Apps:
                 p.kill()
                 p.wait()
             if p.returncode != 0:
-                failed.append(f"{name} app exit {p.returncode}: {p.stderr.read()[-3000:]}")
+                err = p.stderr.read() if p.stderr else ""
+                failed.append(f"{name} app exit {p.returncode}: {err[-3000:]}")
         assert not failed, "\n".join(failed)
 
 
@@ -396,19 +305,13 @@ Views = list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]
 
 def views(ds: list[Daemon], port: int, *, conns: bool = True) -> Views:
     """Per daemon: (its SMC-R link groups with their links, its SMC-R connections to or from
-    ``port``, [] unless ``conns``) as ``smcctl --json`` shows them; all asked at once."""
-    calls: list[tuple[Daemon, tuple[str, ...]]] = []
-    for d in ds:
-        calls.append((d, ("--json", "linkgroup", "show", "--links")))
-        if conns:
-            calls.append((d, ("--json", "conns", "-R")))
-    out = iter(ctl_all(calls))
+    ``port``, [] unless ``conns``) as ``smcctl --json`` shows them (in this process)."""
     res: Views = []
-    for _d in ds:
-        lgs = [g for g in json.loads(next(out)) if g.get("Type") == "SMC-R"]
+    for d in ds:
+        lgs = [g for g in d.ctl_json("linkgroup", "show", "--links") if g.get("Type") == "SMC-R"]
         mine = [
             c
-            for c in (json.loads(next(out)) if conns else [])
+            for c in (d.ctl_json("conns", "-R") if conns else [])
             if c.get("Mode") == "SMCR" and port in (c.get("LocalPort"), c.get("PeerPort"))
         ]
         res.append((lgs, mine))
@@ -533,7 +436,7 @@ def test_100_connections_one_link_group_one_qp(
         client: list[dict[str, Any]] = []
         moved = 0.0
         for step in ("all open", "after the data"):
-            # smcctl is a Python start-up under TCG: the connections once, the QPs twice
+            # smcctl is slow under TCG: the connections once, the QPs twice
             after = step != "all open"
             [(lgs_a, conns_a), (lgs_b, conns_b)] = views([a, b], MANY_PORT, conns=not after)
             for d, lgs, conns, qpn, peer_qpn in (
