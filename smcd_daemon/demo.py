@@ -336,8 +336,8 @@ class PrivateSmcd:
         notify_path = self.workdir / "notify.sock"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(os.fspath(notify_path))
-        # the sender's credentials: smcd's own READY=1 counts, not its dbus-daemon's (which
-        # inherits NOTIFY_SOCKET and says READY=1 before smcd owns its name on that bus)
+        # the sender's credentials: only smcd's own READY=1 counts, as with systemd's default
+        # NotifyAccess=main (a child that said READY=1 early once fooled this wait)
         notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._notify = notify
         argv = [
