@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import signal
 import socket
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from _fork import NotOnSmc, fork_server
+
 import smc_handoff
+
+__all__ = ["KINDS", "Dialer", "Listener", "NotOnSmc", "run_pair"]
 
 KINDS = ("tcp", "unix", "smcd")
 CHILD_TIMEOUT = 30.0
 
 T = TypeVar("T")
-
-
-class NotOnSmc(RuntimeError):
-    """An ``smcd`` connection stayed on TCP: its figures would be TCP's; the message says why."""
 
 
 class Dialer:
@@ -115,76 +111,19 @@ def run_pair(
     """
     with tempfile.TemporaryDirectory(prefix="smcd-bench-") as tmpdir:
         lsock, address = _listen(kind, tmpdir)
-        rd, wr = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report readiness (or why not) through the pipe
-            os.close(rd)
-            code = 0
-            try:
-                try:
-                    listener = Listener(kind, lsock, dmb_size)
-                except NotOnSmc as e:
-                    os.write(wr, b"N" + str(e).encode()[:4000])
-                    os._exit(3)
-                os.write(wr, b"R")
-                os.close(wr)
-                server(listener)
-            except NotOnSmc as e:
-                print(f"bench server: {e}", file=sys.stderr)
-                code = 3
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        os.close(wr)
-        lsock.close()
+
+        def client_side() -> T:
+            lsock.close()  # the child's now
+            return client(Dialer(kind, address, dmb_size))
+
         try:
-            ready, _, _ = select.select([rd], [], [], CHILD_TIMEOUT)
-            hello = os.read(rd, 4096) if ready else b""
+            return fork_server(
+                lambda: Listener(kind, lsock, dmb_size),
+                server,
+                client_side,
+                what=kind,
+                off_smc="a connection stayed on TCP",
+                timeout=CHILD_TIMEOUT,
+            )
         finally:
-            os.close(rd)
-        try:
-            if hello.startswith(b"N"):
-                raise NotOnSmc(hello[1:].decode(errors="replace"))
-            if hello != b"R":
-                raise RuntimeError(f"{kind} server did not start")
-            result = client(Dialer(kind, address, dmb_size))
-        except BaseException as e:
-            status = _stop(pid)
-            if os.waitstatus_to_exitcode(status) == 3 and not isinstance(e, NotOnSmc):
-                raise NotOnSmc(f"{kind} server: a connection stayed on TCP") from e
-            raise
-        _reap(pid, kind)
-        return result
-
-
-def _stop(pid: int, grace: float = 1.0) -> int:
-    """The child's wait status after a failure: it gets ``grace`` seconds to exit by itself
-    (and say why on stderr), then SIGKILL (it may be waiting for connections that will never
-    come)."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    return os.waitpid(pid, 0)[1]
-
-
-def _reap(pid: int, kind: str) -> None:
-    deadline = time.monotonic() + CHILD_TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise RuntimeError(f"{kind} server hung; killed")
-        time.sleep(0.005)
-    code = os.waitstatus_to_exitcode(status)
-    if code == 3:
-        raise NotOnSmc(f"{kind} server: a connection stayed on TCP")
-    if code:
-        raise RuntimeError(f"{kind} server failed (exit {code})")
+            lsock.close()

@@ -30,15 +30,12 @@ import argparse
 import contextlib
 import json
 import os
-import select
-import signal
 import socket
 import statistics
 import struct
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -47,7 +44,10 @@ from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, os.fspath(ROOT))
+sys.path.insert(0, os.fspath(HERE))
+sys.path.insert(1, os.fspath(ROOT))
+
+from _fork import NotOnSmc, fork_server  # noqa: E402
 
 import smc_handoff  # noqa: E402
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd, stop_all  # noqa: E402
@@ -120,10 +120,6 @@ ROWS = (
 )
 HEADER = ("metric", "unit", "tcp", "smcr", "smcr/tcp", "ratio > 1 means")
 NA = "n/a"
-
-
-class NotOnSmcr(RuntimeError):
-    """An "smcr" connection was not on SMC-R: its figures would be TCP's; says why."""
 
 
 class VerifyError(RuntimeError):
@@ -200,7 +196,7 @@ class Pair:
         smc = smc_handoff.wrap(sock, dmb_size=self.dmb_size)
         if smc.mode != "smcr":
             smc.close()
-            raise NotOnSmcr(f"client on {smc.mode}: {smc.fallback}")
+            raise NotOnSmc(f"client on {smc.mode}: {smc.fallback}")
         return smc
 
     def listen(self) -> Callable[[], socket.socket]:
@@ -216,12 +212,12 @@ class Pair:
             return accept_tcp
         server = smc_handoff.SmcServer(lsock, dmb_size=self.dmb_size)
         if not server.registered:
-            raise NotOnSmcr(f"listener not registered with smcd B: {server.fallback}")
+            raise NotOnSmc(f"listener not registered with smcd B: {server.fallback}")
 
         def accept_smc() -> socket.socket:
             conn, _ = server.accept()
             if conn.mode != "smcr":
-                raise NotOnSmcr(f"server on {conn.mode}: {conn.fallback}")
+                raise NotOnSmc(f"server on {conn.mode}: {conn.fallback}")
             return conn
 
         return accept_smc
@@ -231,75 +227,24 @@ class Pair:
     ) -> T:
         """Fork; the child (B's daemon) runs ``server(accept)``, the parent (A's) returns
         ``client(self)``."""
-        rd, wr = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(rd)
-            code = 0
-            try:
-                os.environ["SMCD_HANDOFF_SOCKET"] = str(self.b.handoff_socket)
-                try:
-                    accept = self.listen()
-                except NotOnSmcr as e:
-                    os.write(wr, b"N" + str(e).encode()[:4000])
-                    os._exit(3)
-                os.write(wr, b"R")
-                os.close(wr)
-                server(accept)
-            except NotOnSmcr as e:
-                print(f"bench server: {e}", file=sys.stderr)
-                code = 3
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        os.close(wr)
-        try:
-            ready, _, _ = select.select([rd], [], [], CHILD_TIMEOUT)
-            hello = os.read(rd, 4096) if ready else b""
-        finally:
-            os.close(rd)
-        os.environ["SMCD_HANDOFF_SOCKET"] = str(self.a.handoff_socket)
-        try:
-            if hello.startswith(b"N"):
-                raise NotOnSmcr(hello[1:].decode(errors="replace"))
-            if hello != b"R":
-                raise RuntimeError(f"{self.kind} server did not start")
-            result = client(self)
-        except BaseException as e:
-            code = _stop(pid)
-            if code == 3 and not isinstance(e, NotOnSmcr):
-                raise NotOnSmcr(f"{self.kind} server: a connection was not on SMC-R") from e
-            raise
-        code = _reap(pid)
-        if code == 3:
-            raise NotOnSmcr(f"{self.kind} server: a connection was not on SMC-R")
-        if code:
-            raise RuntimeError(f"{self.kind} server failed (exit {code})")
-        return result
 
+        def setup() -> Callable[[], socket.socket]:
+            os.environ["SMCD_HANDOFF_SOCKET"] = str(self.b.handoff_socket)
+            return self.listen()
 
-def _stop(pid: int, grace: float = 2.0) -> int:
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        def client_side() -> T:
+            os.environ["SMCD_HANDOFF_SOCKET"] = str(self.a.handoff_socket)
+            return client(self)
 
-
-def _reap(pid: int) -> int:
-    deadline = time.monotonic() + CHILD_TIMEOUT
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise RuntimeError("server hung; killed")
+        return fork_server(
+            setup,
+            server,
+            client_side,
+            what=self.kind,
+            off_smc="a connection was not on SMC-R",
+            timeout=CHILD_TIMEOUT,
+            grace=2.0,
+        )
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -470,7 +415,7 @@ def measure(plan: Plan, a: PrivateSmcd, b: PrivateSmcd, log: Callable[[str], Non
             t0 = time.monotonic()
             try:
                 *values, checked = fn(Pair(kind, a, b), plan)
-            except (NotOnSmcr, VerifyError, RuntimeError, OSError) as e:
+            except (NotOnSmc, VerifyError, RuntimeError, OSError) as e:
                 res.notes.append(f"{kind} {name}: {type(e).__name__}: {e}")
                 log(f"  {kind:4} {name}: failed ({e})")
                 continue
