@@ -1,5 +1,6 @@
 """The one table ``bench/run.py`` prints: smcd next to TCP loopback and Unix stream sockets,
-with ratios and the issue's targets, each marked met or not met."""
+with ratios and the issue's targets, each marked met or not met, and the machine's own ceiling
+for the 64 KiB throughput (``bench/ceiling.c``) measured in the same run."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 Results = dict[str, dict[str, float | None]]
-"""kind ("tcp", "unix", "smcd") → metric key → value (None: not measured)."""
+"""kind ("tcp", "unix", "smcd", "ceiling") → metric key → value (None: not measured)."""
+
+CEILING = "ceiling"
+"""The kind of the C program's figures: ``bench/ceiling.c``, no smcd, no Python."""
 
 
 @dataclass(frozen=True)
 class Target:
     text: str
     met: Callable[[Results], bool]
+    remark: Callable[[Results], str | None] | None = None
+    """Added to the met column when it says something (e.g. that the target is above what
+    this machine can do at all)."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,16 @@ class Row:
     baselines: bool = True
     """False for smcd-only figures (a TCP connection has no handoff)."""
     target: Target | None = None
+    kind: str = "smcd"
+    """Whose figure the value column shows: smcd's, or for the ceiling row the C program's
+    (then the tcp and unix columns are those of the row above, and the ratios are to them)."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds that must have measured this row for the table to be complete."""
+        if self.kind != "smcd":
+            return (self.kind,)
+        return ("tcp", "unix", "smcd") if self.baselines else ("smcd",)
 
 
 def _v(res: Results, kind: str, key: str) -> float | None:
@@ -60,6 +77,26 @@ def _both(*checks: Callable[[Results], bool]) -> Callable[[Results], bool]:
     return lambda res: all(c(res) for c in checks)
 
 
+def _above_ceiling(
+    key: str, factors: tuple[tuple[str, float], ...]
+) -> Callable[[Results], str | None]:
+    """Which of "``factor``x ``base``" exceed the measured ceiling of ``key`` (computed from
+    this run's figures; None when none does or something was not measured)."""
+
+    def remark(res: Results) -> str | None:
+        ceiling = _v(res, CEILING, key)
+        if ceiling is None:
+            return None
+        above = [
+            f"{factor:g}x {base}"
+            for base, factor in factors
+            if (b := _v(res, base, key)) is not None and factor * b > ceiling
+        ]
+        return f"{', '.join(above)} > ceiling" if above else None
+
+    return remark
+
+
 GB = 1e9
 CONCURRENCY = 4
 """Client (and server) processes of the concurrent connection-rate figure."""
@@ -73,8 +110,10 @@ ROWS: tuple[Row, ...] = (
         target=Target(
             ">= 4x tcp, >= 1.5x unix",
             _both(_ratio_at_least("tput_64k", "tcp", 4), _ratio_at_least("tput_64k", "unix", 1.5)),
+            _above_ceiling("tput_64k", (("tcp", 4), ("unix", 1.5))),
         ),
     ),
+    Row("ceiling: C shared-memory copy, 64 KiB", "tput_64k", "GB/s", GB, kind=CEILING),
     Row("throughput, 1 MiB writes", "tput_1m", "GB/s", GB),
     Row(
         "ping-pong RTT 1 B, p50",
@@ -133,14 +172,24 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
+def empty_results(kinds: tuple[str, ...]) -> Results:
+    """Every figure of the table, none measured yet: each of ``kinds`` gets every key of the
+    smcd rows, the ceiling only its own."""
+    res: Results = {k: {row.key: None for row in ROWS if row.kind == "smcd"} for k in kinds}
+    res[CEILING] = {row.key: None for row in ROWS if row.kind == CEILING}
+    return res
+
+
 def cells(res: Results) -> list[tuple[str, ...]]:
     """The table as strings, header first (what the smoke test parses)."""
     out: list[tuple[str, ...]] = [HEADER]
     for row in ROWS:
-        s = _v(res, "smcd", row.key)
+        s = _v(res, row.kind, row.key)
         if row.baselines:
             t, u = _v(res, "tcp", row.key), _v(res, "unix", row.key)
-            base = (_num(t, row.scale), _num(u, row.scale))
+            # the ceiling row's baselines are those of the row above: shown there only
+            own = row.kind == "smcd"
+            base = (_num(t, row.scale), _num(u, row.scale)) if own else (DASH, DASH)
             ratios = (_ratio(s, t), _ratio(s, u))
         else:
             base = ratios = (DASH, DASH)
@@ -149,8 +198,36 @@ def cells(res: Results) -> list[tuple[str, ...]]:
         else:
             target = row.target.text
             met = "met" if row.target.met(res) else "NOT met"
+            if row.target.remark is not None and (remark := row.target.remark(res)):
+                met += f" ({remark})"
         out.append((row.label, row.unit, *base, _num(s, row.scale), *ratios, target, met))
     return out
+
+
+def ceiling_share(res: Results, key: str = "tput_64k") -> float | None:
+    """smcd's figure as a fraction of the measured ceiling (None: either is missing)."""
+    s, c = _v(res, "smcd", key), _v(res, CEILING, key)
+    return None if s is None or not c else s / c
+
+
+def ceiling_summary(res: Results, key: str = "tput_64k") -> str:
+    """The lines under the table that say what the ceiling row means for smcd's figure."""
+    c = _v(res, CEILING, key)
+    how = (
+        "  (bench/ceiling.c: two C processes over shared memory, smcd's 64 KiB writes, 1 MiB "
+        "ring, 1 MiB read buffer; its figure in the smcd column, its ratios in the smcd/ columns)"
+    )
+    if c is None:
+        return f"ceiling: not measured (see the notes)\n{how}"
+    share = ceiling_share(res, key)
+    smcd = "smcd n/a" if share is None else f"smcd reaches {share:.0%} of it"
+    t = _v(res, "tcp", key)
+    if t is not None:
+        where = "above" if 4 * t > c else "within"
+        smcd += f"; 4x tcp ({4 * t / GB:.1f} GB/s) is {where} it"
+    return (
+        f"ceiling: {c / GB:.2f} GB/s, this machine's shared-memory ceiling at 64 KiB; {smcd}\n{how}"
+    )
 
 
 def render(res: Results) -> str:

@@ -9,6 +9,10 @@ run back to back (tcp, unix, smcd), so slow drift of the machine hits all of the
 and counts are fixed; every measurement warms up first; nothing here asserts a number: the exit
 status is 0 when every figure was measured, 1 when something could not be (the table says
 ``n/a`` and a note says why). ``--quick`` shrinks every volume for the test suite's smoke run.
+
+Right after the 64 KiB throughput of the three kinds, ``bench/ceiling.c`` (compiled now, see
+``_ceiling``) measures the same transfer between two C processes over shared memory: the
+ceiling row, what no receiver that reads its data can beat on this machine.
 """
 
 from __future__ import annotations
@@ -28,9 +32,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, os.fspath(HERE))
 sys.path.insert(1, os.fspath(HERE.parent))
 
+import _ceiling  # noqa: E402
 import _measure  # noqa: E402
 from _pairs import KINDS, NotOnSmc  # noqa: E402
-from _table import CONCURRENCY, ROWS, Results, render  # noqa: E402
+from _table import (  # noqa: E402
+    CEILING,
+    CONCURRENCY,
+    ROWS,
+    Results,
+    ceiling_share,
+    ceiling_summary,
+    empty_results,
+    render,
+)
 
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
 
@@ -71,6 +85,9 @@ QUICK = Plan(
 )
 
 
+CEILING_RING = _measure.BULK_DMB
+CEILING_RBUF = _measure.RECV_BUF
+
 DEFAULT_CONFIG = '[eid]\nueids = ["SMCD-BENCH"]\n'
 """Off IBM Z, SMC-Dv2 needs a UEID both ends share (``smcd_daemon.core.eid``); else defaults."""
 
@@ -95,7 +112,7 @@ def machine() -> str:
 class Bench:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.res: Results = {k: {row.key: None for row in ROWS} for k in KINDS}
+        self.res: Results = empty_results(KINDS)
         self.notes: list[str] = []
         self.smcd_broken: str | None = None
         self.smcd_failed = False
@@ -136,6 +153,8 @@ class Bench:
 
         progress("throughput, 64 KiB writes")
         self.each(("tput_64k",), tput(64 << 10, p.tput_64k_bytes))
+        progress("ceiling: C shared-memory copy, 64 KiB writes")
+        self.ceiling()
         progress("throughput, 1 MiB writes")
         self.each(("tput_1m",), tput(1 << 20, p.tput_1m_bytes))
 
@@ -159,13 +178,25 @@ class Bench:
             lambda kind: (_measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY),),
         )
 
+    def ceiling(self) -> None:
+        """The 64 KiB figure's transfer between two C processes: same writes, same ring
+        (``BULK_DMB``), same read buffer (``RECV_BUF``), same volumes and repeats."""
+        p = self.plan
+        try:
+            self.res[CEILING]["tput_64k"] = _ceiling.measure(
+                ring=CEILING_RING,
+                chunk=64 << 10,
+                rbuf=CEILING_RBUF,
+                volume=p.tput_64k_bytes,
+                warmup=p.tput_warmup,
+                repeats=p.tput_repeats,
+            )
+        except (_ceiling.CeilingError, OSError) as e:
+            self.notes.append(f"ceiling: {e}")
+
     @property
     def complete(self) -> bool:
-        for kind, values in self.res.items():
-            for row in ROWS:
-                if (row.baselines or kind == "smcd") and values[row.key] is None:
-                    return False
-        return True
+        return all(self.res[kind][row.key] is not None for row in ROWS for kind in row.kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render(bench.res))
     print()
+    print(ceiling_summary(bench.res))
     print(
         "ratios are smcd/baseline (throughput, connections/s: higher is better; times: lower "
         "is better); connect (+handoff) = TCP connect, Unix connect, or TCP connect + "
@@ -227,7 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"machine": machine(), "plan": plan.__dict__, "results": bench.res}, indent=2
+                {
+                    "machine": machine(),
+                    "plan": plan.__dict__,
+                    "results": bench.res,
+                    "ceiling": {
+                        "source": "bench/ceiling.c",
+                        "ring": CEILING_RING,
+                        "write": 64 << 10,
+                        "read_buffer": CEILING_RBUF,
+                        "smcd_share_64k": ceiling_share(bench.res),
+                    },
+                },
+                indent=2,
             )
             + "\n"
         )

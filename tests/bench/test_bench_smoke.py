@@ -3,7 +3,9 @@
 Checks structure, never speed: every row is there, every figure of every kind was measured (so
 the smcd column really went through a private daemon and a shared-memory channel), every ratio
 was computed, and every target carries a met/not-met mark. The raw figures (``--json``) must
-agree with the table.
+agree with the table. The ceiling row (``bench/ceiling.c``, compiled and run in the same run)
+must be a number with its ratios, and what the table derives from it (the 64 KiB target's
+"> ceiling" remark, smcd's share of it) must follow from the raw figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ RUN = REPO / "bench" / "run.py"
 
 ROWS = [
     "throughput, 64 KiB writes",
+    "ceiling: C shared-memory copy, 64 KiB",
     "throughput, 1 MiB writes",
     "ping-pong RTT 1 B, p50",
     "ping-pong RTT 1 B, p99",
@@ -70,10 +73,16 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
         if label.startswith("handoff+handshake"):
             assert rest[1:3] == ["-", "-"] and rest[4:6] == ["-", "-"], line
             assert re.fullmatch(NUM, rest[3]), line
+        elif label.startswith("ceiling"):  # its figure in the smcd column, ratios beside it
+            assert rest[1:3] == ["-", "-"], line
+            assert re.fullmatch(NUM, rest[3]), line
+            assert all(re.fullmatch(RATIO, v) for v in rest[4:6]), line
         else:
             assert all(re.fullmatch(NUM, v) for v in rest[1:4]), line
             assert all(re.fullmatch(RATIO, v) for v in rest[4:6]), line
         tail = " ".join(rest[6:])
+        if label == "throughput, 64 KiB writes":
+            continue  # its met column depends on the ceiling: checked against the raw figures
         if label in TARGETS:
             assert tail in (TARGETS[label] + " met", TARGETS[label] + " NOT met"), line
         else:
@@ -82,6 +91,7 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
     # the raw figures: every kind measured every figure that applies to it, and they match
     data = json.loads(raw.read_text())
     res = data["results"]
+    ceiling = res.pop("ceiling")
     assert set(res) == {"tcp", "unix", "smcd"}
     for kind, values in res.items():
         for key, value in values.items():
@@ -92,3 +102,20 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
     rate_row = body[ROWS.index("connections/s, one at a time")].split()
     smcd_rate = float(rate_row[rate_row.index("1/s") + 3].replace(",", ""))
     assert abs(smcd_rate - res["smcd"]["rate_1"]) <= max(1.0, res["smcd"]["rate_1"] * 0.01)
+
+    # the ceiling: measured, shown as measured, and what the table says about it follows
+    c = ceiling["tput_64k"]
+    assert set(ceiling) == {"tput_64k"} and isinstance(c, float) and c > 0, ceiling
+    shown = body[ROWS.index("ceiling: C shared-memory copy, 64 KiB")].split()
+    assert abs(float(shown[shown.index("GB/s") + 3]) - c / 1e9) <= 0.051, (shown, c)
+    tcp, unix, smcd = (res[k]["tput_64k"] for k in ("tcp", "unix", "smcd"))
+    met = smcd >= 4 * tcp and smcd >= 1.5 * unix
+    above = [t for t, v in (("4x tcp", 4 * tcp), ("1.5x unix", 1.5 * unix)) if v > c]
+    expected = TARGETS["throughput, 64 KiB writes"] + (" met" if met else " NOT met")
+    if above:
+        expected += f" ({', '.join(above)} > ceiling)"
+    row64 = body[ROWS.index("throughput, 64 KiB writes")]
+    assert " ".join(row64.split()[10:]) == expected, (row64, expected, ceiling)
+    share = data["ceiling"]["smcd_share_64k"]
+    assert abs(share - smcd / c) < 1e-9, (share, smcd, c)
+    assert f"smcd reaches {share:.0%} of it" in out, out

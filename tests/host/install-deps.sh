@@ -11,6 +11,9 @@ PKGS=(
   python3-pyverbs python3-systemd rdma-core ibverbs-providers libibverbs-dev
   tshark
   dbus libglib2.0-bin iproute2 util-linux systemd strace openssl
+  # `cc` and libc headers: bench/_ceiling.py compiles bench/ceiling.c (the smoke test's ceiling
+  # row); gcc only recommends libc6-dev, and recommends are not installed
+  gcc libc6-dev
 )
 
 . "$(dirname "${BASH_SOURCE[0]}")/apt-lib.sh"
