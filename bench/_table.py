@@ -100,6 +100,8 @@ def _above_ceiling(
 GB = 1e9
 CONCURRENCY = 4
 """Client (and server) processes of the concurrent connection-rate figure."""
+HANDOFFS_PER_CONNECTION = 2
+"""An smcd connection between two local applications: the client's handoff and the server's."""
 
 ROWS: tuple[Row, ...] = (
     Row(
@@ -139,11 +141,22 @@ ROWS: tuple[Row, ...] = (
         target=Target("<= 2000 us", _at_most("handoff_p50", 2000)),
     ),
     Row("handoff+handshake, p99", "handoff_p99", "us", baselines=False),
+    # "≥ 1,000 handoffs/s" read both ways, side by side: a handoff is one application handing
+    # one socket to the daemon (a connection between two local applications is two: the
+    # client's and the server's), or a whole connection.
+    Row(
+        "handoffs/s, one connection at a time",
+        "handoffs_1",
+        "1/s",
+        baselines=False,
+        target=Target(">= 1000/s (each end's)", _at_least("handoffs_1", 1000)),
+    ),
+    Row(f"handoffs/s, {CONCURRENCY} connections at a time", "handoffs_n", "1/s", baselines=False),
     Row(
         "connections/s, one at a time",
         "rate_1",
         "1/s",
-        target=Target(">= 1000/s", _at_least("rate_1", 1000)),
+        target=Target(">= 1000/s (per connection)", _at_least("rate_1", 1000)),
     ),
     Row(f"connections/s, {CONCURRENCY} at a time", "rate_n", "1/s"),
 )

@@ -38,6 +38,7 @@ from _pairs import KINDS, NotOnSmc  # noqa: E402
 from _table import (  # noqa: E402
     CEILING,
     CONCURRENCY,
+    HANDOFFS_PER_CONNECTION,
     ROWS,
     Results,
     ceiling_share,
@@ -169,14 +170,21 @@ class Bench:
         def setup1(kind: str) -> tuple[float | None, ...]:
             s = _measure.setup(kind, p.setup_count, p.setup_warmup)
             handoff = (s.handoff_p50_us, s.handoff_p99_us) if kind == "smcd" else (None, None)
-            return (s.connect_p50_us, s.connect_p99_us, *handoff, s.rate)
+            # every smcd connection is two handoffs: the client's wrap and the server's
+            handoffs = HANDOFFS_PER_CONNECTION * s.rate if kind == "smcd" else None
+            return (s.connect_p50_us, s.connect_p99_us, *handoff, s.rate, handoffs)
 
-        self.each(("connect_p50", "connect_p99", "handoff_p50", "handoff_p99", "rate_1"), setup1)
-        progress(f"connection setup, {CONCURRENCY} at a time")
         self.each(
-            ("rate_n",),
-            lambda kind: (_measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY),),
+            ("connect_p50", "connect_p99", "handoff_p50", "handoff_p99", "rate_1", "handoffs_1"),
+            setup1,
         )
+        progress(f"connection setup, {CONCURRENCY} at a time")
+
+        def setup_n(kind: str) -> tuple[float | None, ...]:
+            rate = _measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY)
+            return (rate, HANDOFFS_PER_CONNECTION * rate if kind == "smcd" else None)
+
+        self.each(("rate_n", "handoffs_n"), setup_n)
 
     def ceiling(self) -> None:
         """The 64 KiB figure's transfer between two C processes: same writes, same ring

@@ -1149,6 +1149,9 @@ def _spin(
     next_yield = now + every
     yield_ = os.sched_yield
     switched = False
+    # Nothing to adapt when the data comes: the common case returns at once, because every
+    # bytecode between the peer's store and our reply is round-trip time.
+    steady = budget >= SPIN_MAX_NS and every >= SPIN_YIELD_NS and backoff == SPIN_BACKOFF_MIN_NS
     while True:
         if (
             hdr[idx] != old
@@ -1161,6 +1164,8 @@ def _spin(
             or hdr[idx] != old
             or ready()
         ):
+            if steady and not switched:
+                return True
             if budget < SPIN_MAX_NS:
                 w.spin_ns = min(SPIN_MAX_NS, budget + (budget >> 1) + 1000)
             if switched:  # the peer ran on our CPU while we yielded

@@ -32,6 +32,8 @@ ROWS = [
     "connect (+handoff), p99",
     "handoff+handshake, p50",
     "handoff+handshake, p99",
+    "handoffs/s, one connection at a time",
+    "handoffs/s, 4 connections at a time",
     "connections/s, one at a time",
     "connections/s, 4 at a time",
 ]
@@ -40,7 +42,8 @@ TARGETS = {
     "ping-pong RTT 1 B, p50": "<= 0.3x tcp",
     "ping-pong RTT 1 KiB, p50": "<= 0.3x tcp",
     "handoff+handshake, p50": "<= 2000 us",
-    "connections/s, one at a time": ">= 1000/s",
+    "handoffs/s, one connection at a time": ">= 1000/s (each end's)",
+    "connections/s, one at a time": ">= 1000/s (per connection)",
 }
 NUM = r"[\d,]+(?:\.\d+)?"
 RATIO = r"\d+\.\d\dx"
@@ -70,7 +73,7 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
         rest = line[len(label) :].split()
         unit = rest[0]
         assert unit in ("GB/s", "us", "1/s"), line
-        if label.startswith("handoff+handshake"):
+        if label.startswith(("handoff+handshake", "handoffs/s")):  # smcd only
             assert rest[1:3] == ["-", "-"] and rest[4:6] == ["-", "-"], line
             assert re.fullmatch(NUM, rest[3]), line
         elif label.startswith("ceiling"):  # its figure in the smcd column, ratios beside it
@@ -95,13 +98,16 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
     assert set(res) == {"tcp", "unix", "smcd"}
     for kind, values in res.items():
         for key, value in values.items():
-            if key.startswith("handoff_") and kind != "smcd":
+            if key.startswith(("handoff_", "handoffs_")) and kind != "smcd":
                 assert value is None
             else:
                 assert isinstance(value, float) and value > 0, (kind, key, value)
     rate_row = body[ROWS.index("connections/s, one at a time")].split()
     smcd_rate = float(rate_row[rate_row.index("1/s") + 3].replace(",", ""))
     assert abs(smcd_rate - res["smcd"]["rate_1"]) <= max(1.0, res["smcd"]["rate_1"] * 0.01)
+    # two handoffs per connection (the client's and the server's), both concurrency levels
+    for rate, handoffs in (("rate_1", "handoffs_1"), ("rate_n", "handoffs_n")):
+        assert res["smcd"][handoffs] == 2 * res["smcd"][rate], (rate, handoffs, res["smcd"])
 
     # the ceiling: measured, shown as measured, and what the table says about it follows
     c = ceiling["tput_64k"]
