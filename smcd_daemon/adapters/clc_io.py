@@ -7,7 +7,7 @@ rules follow:
 - **File status flags are shared.** Setting ``O_NONBLOCK`` on our copy would change the
   application's socket under its feet. We never touch them: every ``recv``/``send`` carries
   ``MSG_DONTWAIT`` (and ``MSG_NOSIGNAL``), and readiness comes from the event loop
-  (``add_reader``/``add_writer`` on our descriptor, removed before it is closed).
+  (a reader on :mod:`.fdwatch`, a writer with ``add_writer``, removed before it is closed).
 - **Bytes are shared.** Anything we read is gone for the application. So we read exactly what
   the negotiator asks for (:attr:`~smcd_daemon.protocol.negotiate.ClientNegotiation.bytes_needed`:
   the 8-byte header, then the rest of that one message), and a server half first *peeks*
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import (
     ClientNegotiation,
@@ -101,14 +102,15 @@ class BorrowedTcp:
             raise
         self.fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
-        self._reading = False  # our reader is registered with the loop
+        self._watch = fd_watch(self._loop)
+        self._reading = False  # our reader is registered (with the watch)
         self._reader: asyncio.Future[bool] | None = None
 
     def close(self) -> None:
         """Give our copy back (the application's descriptor stays open)."""
         if self._reading:
             self._reading = False
-            self._loop.remove_reader(self.fd)
+            self._watch.remove(self.fd)
         self.sock.close()
 
     # -- readiness --------------------------------------------------------------------------
@@ -127,7 +129,7 @@ class BorrowedTcp:
             loop.add_writer(self.fd, _wake, fut, True)
         else:
             if not self._reading:
-                loop.add_reader(self.fd, self._readable)
+                self._watch.add(self.fd, self._readable)
                 self._reading = True
             self._reader = fut
         timer = loop.call_later(max(timeout, 0.0), _wake, fut, False)
@@ -143,7 +145,7 @@ class BorrowedTcp:
     def _readable(self) -> None:
         fut, self._reader = self._reader, None
         if fut is None:
-            self._loop.remove_reader(self.fd)  # nobody waits: no more wake-ups until one does
+            self._watch.remove(self.fd)  # nobody waits: no more wake-ups until one does
             self._reading = False
         elif not fut.done():
             fut.set_result(True)

@@ -86,6 +86,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import ipaddress
 import logging
 import mmap
@@ -103,6 +104,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.core.buffers import DmbPool, UnknownTokenError
 from smcd_daemon.core.eid import EidTable
 from smcd_daemon.core.registry import (
@@ -720,11 +722,12 @@ class HandoffServer:
     async def _readable(self, sock: socket.socket) -> None:
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._loop.add_reader(sock.fileno(), _wake, fut)
+        watch = fd_watch(self._loop)
+        watch.add(sock.fileno(), functools.partial(_wake, fut))
         try:
             await fut
         finally:
-            self._loop.remove_reader(sock.fileno())
+            watch.remove(sock.fileno())
 
     async def _receive(self, client: _Client) -> tuple[m.Request, list[int]] | None:
         """The next valid request and its descriptors; None at EOF. An invalid datagram raises
@@ -783,7 +786,9 @@ class HandoffServer:
                 assert self._loop is not None
                 client.task = None
                 # Level-triggered: a notice already queued wakes it on the next loop turn.
-                self._loop.add_reader(client.sock.fileno(), self._on_readable, client)
+                fd_watch(self._loop).add(
+                    client.sock.fileno(), functools.partial(self._on_readable, client)
+                )
                 watched = True
         except _Refused as e:
             self._send(client, e.reply)
@@ -841,7 +846,7 @@ class HandoffServer:
         client.watched_done = True
         if client.task is None and self._loop is not None:
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(client.sock.fileno())
+                fd_watch(self._loop).remove(client.sock.fileno())
         self._clients.discard(client)
         left = self._held.get(client.uid, 1) - 1
         if left > 0:
