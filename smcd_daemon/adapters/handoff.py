@@ -56,7 +56,8 @@ Hot path
     (short request/response connections are counted, never exported on D-Bus); the registry and
     link-group bookkeeping, notices and a hung-up half's release are deferred by
     :data:`DEFER_DELAY` (in order, in batches), so the next handshake goes first; DMBs are zeroed
-    on release rather than on reuse and their header views are mapped on first read; a
+    on release rather than on reuse and their header views are mapped on first read and kept
+    for the memfd's life in the pool; a
     connection past its first request is watched by a reader callback, not a task; negotiation
     facts, our Proposal (and its bytes), CLC headers and peers' Proposals are parsed or built
     once; addresses are normalised once (cached); per-user counts are kept rather than counted,
@@ -464,21 +465,12 @@ class _Pair:
     ev: dict[ConnRole, int]  # the eventfd each half sleeps on
     link: dict[ConnRole, int]  # each half's end of the peer link
     mem: dict[int, int]  # DMB token → the pool's memfd (DMB + control trailer) handed out
-    views: dict[int, _DmbView]
-    """DMB token → the daemon's read-only view of its header, mapped on first use (the refresh
-    or the hang-up reads it; the handshake never does)."""
     taken: set[ConnRole] = field(default_factory=set)
     released: set[ConnRole] = field(default_factory=set)
     pending: list[tuple[str, int]] = field(default_factory=list)
     """DMB releases ("unregister"/"detach", token) of halves that let go before the pair was
     complete: a client may close before the server half has even attached its DMB."""
     timer: asyncio.TimerHandle | None = None
-
-    def view(self, token: int) -> _DmbView:
-        view = self.views.get(token)
-        if view is None:
-            view = self.views[token] = _DmbView(self.mem[token])
-        return view
 
     def close_shared(self) -> None:
         """Close the daemon's copies of the eventfds and any peer-link end not handed out."""
@@ -489,12 +481,9 @@ class _Pair:
         self.link.clear()
 
     def close_all(self) -> None:
-        """Close everything the pair owns (the memfds belong to the pool)."""
+        """Close everything the pair owns (the memfds, and the views of their headers, belong
+        to the pool and the server)."""
         self.close_shared()
-        for view in self.views.values():
-            with contextlib.suppress(Exception):
-                view.close()
-        self.views.clear()
 
 
 @dataclass(eq=False)
@@ -603,6 +592,11 @@ class HandoffServer:
         self.registry = registry if registry is not None else Registry()
         self.eids = eids if eids is not None else EidTable()
         self.pool = DmbPool.from_config(config)
+        # The daemon's read-only views of DMB headers, one per pool memfd for as long as the
+        # pool keeps it: a memfd serves many connections, and mapping (and unmapping, with its
+        # TLB shootdown) per connection was a measurable part of every handoff.
+        self._views: dict[int, _DmbView] = {}
+        self.pool.on_destroy = self._forget_view
         self.loopback = LoopbackIsm(
             self.pool,
             gid128=loopback_gid,
@@ -1157,7 +1151,6 @@ class HandoffServer:
             ev={ConnRole.CLIENT: ev_c, ConnRole.SERVER: ev_s},
             link={ConnRole.CLIENT: link_c, ConnRole.SERVER: link_s},
             mem=mem,
-            views={},
         )
         assert self._loop is not None
         wait = self.cfg.timeouts.clc_wait * 2 + 1.0
@@ -1382,6 +1375,19 @@ class HandoffServer:
                     log.exception("handoff: deferred %s failed", getattr(fn, "__name__", fn))
         return ran
 
+    def _view(self, fd: int) -> _DmbView:
+        """The header view of the pool memfd ``fd``, mapped on first use (the refresh or the
+        hang-up reads it; the handshake never does)."""
+        view = self._views.get(fd)
+        if view is None:
+            view = self._views[fd] = _DmbView(fd)
+        return view
+
+    def _forget_view(self, fd: int) -> None:
+        view = self._views.pop(fd, None)
+        if view is not None:
+            view.close()
+
     # -- registry, batched ----------------------------------------------------------------------
 
     def _add(self, conn: Connection) -> None:
@@ -1504,7 +1510,8 @@ class HandoffServer:
         if pair is None or half.local_token is None or half.peer_token is None:
             return  # released (or a resumed record: no DMBs of ours)
         try:
-            words = (pair.view(half.local_token).words(), pair.view(half.peer_token).words())
+            rx, tx = pair.mem[half.local_token], pair.mem[half.peer_token]
+            words = (self._view(rx).words(), self._view(tx).words())
         except (OSError, KeyError) as e:
             log.warning("handoff: connection %d: cannot read its DMB headers: %s", half.conn_id, e)
             return

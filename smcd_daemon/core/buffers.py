@@ -276,6 +276,9 @@ class DmbPool:
         self._reuses = 0
         self.last_zero_seconds = 0.0
         self._closed = False
+        self.on_destroy: Callable[[int], None] | None = None
+        """Called with a memfd just before the pool closes it for good (an adapter that keeps
+        something per memfd, e.g. a mapping, lets go of it then)."""
 
     @classmethod
     def from_config(cls, config: object) -> DmbPool:
@@ -413,6 +416,8 @@ class DmbPool:
             return  # closed already (the pool was closed while it was in use)
         self._all.discard(dmb)
         self._allocated_bytes -= dmb.size
+        if self.on_destroy is not None:
+            self.on_destroy(dmb.fd)
         os.close(dmb.fd)
         dmb.fd = -1
 

@@ -303,3 +303,24 @@ def test_from_config_uses_buffers_and_quota_sections() -> None:
     assert (pool.user_max_bytes, pool.user_max_buffers) == (1 << 20, 3)
     assert pool.register(1, 1 << 20).size == 256 * KIB
     pool.close()
+
+
+def test_on_destroy_sees_each_memfd_once_while_it_is_still_open() -> None:
+    """The hook an adapter keeps per-memfd state by (the handoff server's header mappings):
+    called for a cached buffer that is trimmed and for in-use ones at close, never for a reuse."""
+    pool = DmbPool(user_max_buffers=0)
+    seen: list[tuple[int, int]] = []
+    pool.on_destroy = lambda fd: seen.append((fd, os.fstat(fd).st_size))  # still open here
+    a = pool.register(1, SMC_BUF_MIN)
+    fd_a = a.fd
+    pool.unregister(a.token)  # cached, not destroyed
+    again = pool.register(1, SMC_BUF_MIN)
+    assert again.fd == fd_a and seen == []  # a reuse keeps the memfd (and its state)
+    pool.unregister(again.token)
+    assert pool.trim() == 1
+    assert [fd for fd, _ in seen] == [fd_a] and seen[0][1] == SMC_BUF_MIN + CTRL_LEN
+    fd_b = pool.register(1, SMC_BUF_MIN).fd
+    pool.close()
+    assert [fd for fd, _ in seen] == [fd_a, fd_b]
+    with pytest.raises(OSError):
+        os.fstat(fd_b)  # closed right after the hook
