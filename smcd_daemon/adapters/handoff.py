@@ -55,10 +55,11 @@ Hot path
     it: registry records are published only for connections that live :data:`PUBLISH_DELAY`
     (short request/response connections are counted, never exported on D-Bus); the registry and
     link-group bookkeeping, notices and a hung-up half's release are deferred by
-    :data:`DEFER_DELAY` (in order, in batches), so the next handshake goes first; DMBs are zeroed
+    :data:`DEFER_DELAY` (in order, in batches), so the next handshake goes first, and run as soon
+    as no handshake is in flight (the gap while applications map their channels); DMBs are zeroed
     on release rather than on reuse and their header views are mapped on first read and kept
-    for the memfd's life in the pool; a
-    connection past its first request is watched by a reader callback, not a task; negotiation
+    for the memfd's life in the pool; a connection past its first request is watched by a
+    reader callback (:mod:`.fdwatch`), not a task; negotiation
     facts, our Proposal (and its bytes), CLC headers and peers' Proposals are parsed or built
     once; addresses are normalised once (cached); per-user counts are kept rather than counted,
     and idle connections cost the cursor refresh only a comparison of header words.
@@ -952,8 +953,23 @@ class HandoffServer:
             return self._reply_smcr(client, outcome)
         if isinstance(outcome, FallbackOutcome):
             self._drop_pair(key, "the other half fell back")
-            return self._reply_fallback(client, draft, outcome)
-        return self._reply_channel(client, draft, role, key, outcome)  # SMC-D over loopback-ism
+            kept = self._reply_fallback(client, draft, outcome)
+        else:
+            kept = self._reply_channel(client, draft, role, key, outcome)  # SMC-D, loopback-ism
+        self._idle_soon()
+        return kept
+
+    def _idle_soon(self) -> None:
+        """The last handshake in flight has replied: the applications now map their channels
+        and move their first bytes, and the next handoff is at least that far away. Deferred
+        bookkeeping runs in that gap (on the next loop turn) instead of when its timer fires,
+        which may be in the middle of the next handshake."""
+        if not self._inflight and self._later and self._loop is not None:
+            self._loop.call_soon(self._run_later_if_idle)
+
+    def _run_later_if_idle(self) -> None:
+        if not self._inflight:
+            self._run_later()
 
     def _smcr_toward(self, tcp: BorrowedTcp) -> SmcrService | None:
         """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
