@@ -51,6 +51,9 @@ import select
 import socket
 import threading
 import time
+from _socket import AF_UNIX as _AF_UNIX
+from _socket import SOCK_SEQPACKET as _SOCK_SEQPACKET
+from _socket import socket as _CSocket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -233,7 +236,10 @@ class Channel:
             rx_mm = _ring.map_dmb(rx_dmb_fd, rx_size)
             tx_mm = _ring.map_dmb(tx_dmb_fd, tx_size)
             os.set_blocking(rx_eventfd, False)
-            self._link = socket.socket(fileno=peer_link_fd)
+            # Family and type given: the daemon's (and make_pair's) link is always an AF_UNIX
+            # SOCK_SEQPACKET socketpair end, and asking the kernel would cost two getsockopt.
+            # A bare C socket: the kicks need nothing of the Python class.
+            self._link = _CSocket(_AF_UNIX, _SOCK_SEQPACKET, 0, peer_link_fd)
             owned.remove(peer_link_fd)
             self._link.setblocking(False)
         except BaseException:
@@ -321,16 +327,12 @@ class Channel:
         # One poll object per descriptor a sleeper can hold (a poll object must not be used by
         # two threads at once): the link for kicks (and hang-up), or the eventfd plus the link
         # for hang-ups only (event mask 0: kick bytes for the other sleeper do not wake us).
-        self._link_poller = select.poll()
-        self._link_poller.register(peer_link_fd, select.POLLIN)
-        self._efd_poller = select.poll()
-        self._efd_poller.register(rx_eventfd, select.POLLIN)
-        self._efd_poller.register(peer_link_fd, 0)
-        self._hup_poller = select.poll()  # _check_link, under _hup_lock
-        self._hup_poller.register(peer_link_fd, 0)
+        # Each is built when first needed (most short connections never sleep): see _poller.
+        self._link_poller: Any = None
+        self._efd_poller: Any = None
+        self._hup_poller: Any = None  # _check_link, under _hup_lock
         self._hup_lock = threading.Lock()
-        self._level_poller = select.poll()  # _level_sync, under _level_lock
-        self._level_poller.register(rx_eventfd, select.POLLIN)
+        self._level_poller: Any = None  # _level_sync, under _level_lock
         self._level_lock = threading.Lock()
 
         self._n_kicks = 0
@@ -877,7 +879,7 @@ class Channel:
         #    on it, fence, look again, then poll it (and the link for a hang-up).
         self._n_sleeps += 1
         on_link = self._take_fd(w)
-        poller = self._link_poller if on_link else self._efd_poller
+        poller = self._poller(on_link)
         try:
             woken = False
             while True:
@@ -910,6 +912,22 @@ class Channel:
             self._release_fd(on_link)
             if self._level and w is self._wd and not self._closed:
                 self._level_sync()
+
+    def _poller(self, on_link: bool) -> Any:
+        """The poll object of a sleeper holding the link (``on_link``) or the eventfd, built
+        on first use. Only the holder of that descriptor (see :meth:`_take_fd`) calls this."""
+        if on_link:
+            poller = self._link_poller
+            if poller is None:
+                poller = self._link_poller = select.poll()
+                poller.register(self._link_fd, select.POLLIN)
+        else:
+            poller = self._efd_poller
+            if poller is None:
+                poller = self._efd_poller = select.poll()
+                poller.register(self._rx_efd, select.POLLIN)
+                poller.register(self._link_fd, 0)
+        return poller
 
     def _take_fd(self, w: _Waiter) -> bool:
         """Choose what a sleeping wait polls; True for the peer link, False for the eventfd.
@@ -973,7 +991,11 @@ class Channel:
                 self._drain(False)
                 if not self._rx_ready():
                     return
-            if not self._level_poller.poll(0):  # look, do not infer: a drain may race a kick
+            poller = self._level_poller
+            if poller is None:
+                poller = self._level_poller = select.poll()
+                poller.register(self._rx_efd, select.POLLIN)
+            if not poller.poll(0):  # look, do not infer: a drain may race a kick
                 os.eventfd_write(self._rx_efd, 1)
 
     def _kick(self, wait: int, kick_idx: int) -> bool:
@@ -1043,7 +1065,11 @@ class Channel:
         # sleeper and must not be read here. The poll object is not shared between threads.
         if self._hup_lock.acquire(blocking=False):
             try:
-                gone = self._hup_poller.poll(0)
+                poller = self._hup_poller
+                if poller is None:
+                    poller = self._hup_poller = select.poll()
+                    poller.register(self._link_fd, 0)
+                gone = poller.poll(0)
             finally:
                 self._hup_lock.release()
         else:

@@ -89,8 +89,11 @@ descriptor column is the exact ``SCM_RIGHTS`` list, in order; any other count is
     the new connection id), ERROR.
 ``SHUTDOWN`` 0x05 — notice: the application called ``shutdown(how)``. No fds, no reply.
     body: ``how u8`` (0 SHUT_RD, 1 SHUT_WR, 2 SHUT_RDWR).
-``CLOSE`` 0x06 — notice: the application closed the channel (then closes this connection; a
-    hang-up without CLOSE means the process died or dropped the socket). No fds, no reply.
+``CLOSE`` 0x06 — notice: the application closed the channel (then closes this connection).
+    Optional: the hang-up alone tells the daemon the same (it reads the final counters from the
+    DMBs), so the library's ``close()`` just hangs up, saving a message per connection; it
+    sends CLOSE only when a socket leaves its channel before any data (``detach``). No fds, no
+    reply.
     body: ``aborted u8`` (0 clean close, 1 abort: unread data or reset),
     ``bytes_sent u64``, ``bytes_received u64`` (17 bytes), for the registry and stats.
 
@@ -692,6 +695,10 @@ _CLASSES: dict[MessageType, type[Message]] = {
 
 
 _CLASSES_BY_VALUE: dict[int, type[Message]] = {int(t): c for t, c in _CLASSES.items()}
+# Per class, what every message sent or received needs: its type's name (an enum ``.name`` is a
+# Python-level descriptor) and its exact descriptor count.
+_NAMES: dict[type[Message], str] = {c: t.name for t, c in _CLASSES.items()}
+_FD_COUNTS: dict[type[Message], int] = {c: len(FD_NAMES[t]) for t, c in _CLASSES.items()}
 
 
 def daemon_unavailable(detail: str) -> Fallback:
@@ -744,7 +751,7 @@ def decode(data: bytes) -> Message:
         raise HandoffProtocolError(
             f"unknown message type 0x{mtype:02x}", ErrorCode.UNSUPPORTED_TYPE
         )
-    what = cls.TYPE.name
+    what = _NAMES[cls]
     if flags:
         raise HandoffProtocolError(f"{what}: reserved header flags 0x{flags:04x} must be 0")
     if length != len(data) - HEADER.size:
@@ -788,7 +795,9 @@ def close_fds(fds: Iterable[int]) -> None:
 
 def send_message(sock: socket.socket, msg: Message, fds: Sequence[int] = ()) -> None:
     """Send ``msg`` with exactly the descriptors its type carries (they stay the caller's)."""
-    expected = len(FD_NAMES[msg.TYPE])
+    expected = _FD_COUNTS.get(type(msg))
+    if expected is None:  # a subclass of a message class
+        expected = len(FD_NAMES[msg.TYPE])
     if len(fds) != expected:
         raise ValueError(f"{msg.TYPE.name} carries {expected} descriptors, got {len(fds)}")
     data = encode(msg)
@@ -800,7 +809,13 @@ def send_message(sock: socket.socket, msg: Message, fds: Sequence[int] = ()) -> 
         raise HandoffProtocolError(f"short send of {msg.TYPE.name}: {sent}/{len(data)} bytes")
 
 
-_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_INT_SIZE = array.array("i").itemsize
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * _INT_SIZE)
+# Plain ints: the socket module's MSG_* are IntFlag members, and enum arithmetic on the flags
+# of every received message would cost microseconds.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 
 
 def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], bool]:
@@ -809,7 +824,7 @@ def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], bool]
     odd = False
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            whole = len(payload) - len(payload) % array.array("i").itemsize
+            whole = len(payload) - len(payload) % _INT_SIZE
             fds.extend(array.array("i", payload[:whole]))
             odd = odd or whole != len(payload)
         else:
@@ -824,21 +839,21 @@ def recv_message(sock: socket.socket, *, requests: bool) -> tuple[Message, list[
     received descriptor is closed before :class:`HandoffProtocolError` is raised; EOF raises
     :class:`HandoffClosedError`. Socket errors (timeouts included) propagate unchanged.
     """
-    data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+    data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY, _MSG_CMSG_CLOEXEC)
     fds, odd = _fds_from(ancillary)
     try:
         if not data and not ancillary:
             raise HandoffClosedError("the handoff connection was closed")
-        if flags & socket.MSG_CTRUNC or odd:
+        if flags & _MSG_CTRUNC or odd:
             raise HandoffProtocolError(
                 f"more than {MAX_FDS} descriptors or unexpected ancillary data", ErrorCode.BAD_FDS
             )
-        if flags & socket.MSG_TRUNC or len(data) > MAX_MESSAGE:
+        if flags & _MSG_TRUNC or len(data) > MAX_MESSAGE:
             raise HandoffProtocolError(
                 f"message longer than {MAX_MESSAGE} bytes", ErrorCode.OVERSIZED
             )
         msg = decode_request(data) if requests else decode_reply(data)
-        expected = len(FD_NAMES[msg.TYPE])
+        expected = _FD_COUNTS[type(msg)]
         if len(fds) != expected:
             raise HandoffProtocolError(
                 f"{msg.TYPE.name} carries {expected} descriptors, got {len(fds)}",

@@ -62,11 +62,19 @@ log = logging.getLogger("smc_handoff")
 
 # The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
 _BaseSocket = _socket.socket
-_STREAM_FAMILIES = (_socket.AF_INET, _socket.AF_INET6)
+_STREAM_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
 # Plain ints: the socket module's constants are IntFlag members, and enum arithmetic would
 # cost microseconds on every call of the data path.
 _MSG_DONTWAIT = int(_socket.MSG_DONTWAIT)
 _SUPPORTED_FLAGS = _MSG_DONTWAIT | int(getattr(_socket, "MSG_NOSIGNAL", 0))
+_SOCK_STREAM = int(_socket.SOCK_STREAM)
+# The C socket's plain-int attributes: ``socket.socket.family``/``.type`` convert to enum
+# members, which costs microseconds per handoff for a check.
+_family_of = _csocket.socket.family.__get__
+_type_of = _csocket.socket.type.__get__
+_proto_of = _csocket.socket.proto.__get__
+_PEERCRED = struct.Struct("3i")
+_MODE_NAMES = {mode: mode.name.lower() for mode in messages.Mode}
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 
 
@@ -101,9 +109,9 @@ def _connect_daemon(timeout: float) -> _socket.socket:
         try:
             ctl.settimeout(timeout)
             ctl.connect(os.fspath(path))
-            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, _gid = struct.unpack("3i", cred)
-            if uid not in (0, os.getuid()):
+            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
+            pid, uid, _gid = _PEERCRED.unpack(cred)
+            if uid != 0 and uid != os.getuid():
                 raise _NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
         except (OSError, _NoDaemon) as e:
             ctl.close()
@@ -169,10 +177,25 @@ _UNSUPPORTED = Fallback(
 
 def _channel_refused() -> Fallback | None:
     """Checked before asking the daemon (once it answered CHANNEL there is no way back to TCP),
-    and only when there is one: ``_ring`` loads ctypes, which a process without smcd skips."""
-    from smc_handoff import _ring
+    and only when there is one: a process without smcd never loads the channel modules."""
+    if _ring_module is None:
+        _load_channel()
+    return None if _ring_module.ORDERING_OK else _UNSUPPORTED
 
-    return None if _ring.ORDERING_OK else _UNSUPPORTED
+
+_channel_class: type[_Channel] | None = None
+_ring_module: Any = None
+
+
+def _load_channel() -> type[_Channel]:
+    """Import the channel modules once (an import statement in the handoff would look them up
+    again on every connection)."""
+    global _channel_class, _ring_module
+    from smc_handoff import _ring
+    from smc_handoff.channel import Channel
+
+    _ring_module, _channel_class = _ring, Channel
+    return Channel
 
 
 @dataclass
@@ -186,7 +209,7 @@ class _Smc:
     conn_id: int = 0
     rd_shut: bool = False
     wr_shut: bool = False
-    next_check: float = 0.0
+    next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
     deadline: float | None = None  # of the sendall() in progress (None: per call)
 
     RECHECK_S = 1.0
@@ -212,7 +235,8 @@ class _Smc:
             self.control = None
 
     def check_daemon(self, tcp_fd: int) -> None:
-        """Called before a wait, at most once a second: read the daemon's late replies (OK to
+        """Called before a wait, at most once a second (the first time a second after the
+        handoff: a short connection never pays for it): read the daemon's late replies (OK to
         RESUME), and when the daemon went away (hang-up) RESUME with the one that replaced
         it, without waiting for its answer. Never raises: the channel does not need this."""
         now = time.monotonic()
@@ -283,7 +307,7 @@ class SmcSocket(_BaseSocket):
     def mode(self) -> str:
         """``"smcd"``, ``"smcr"`` or ``"tcp"``."""
         smc = self._smc
-        return smc.info.mode.name.lower() if smc is not None else "tcp"
+        return _MODE_NAMES[smc.info.mode] if smc is not None else "tcp"
 
     @property
     def fallback(self) -> Fallback | None:
@@ -313,7 +337,7 @@ class SmcSocket(_BaseSocket):
     ) -> None:
         """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC. ``timeout``
         is the socket timeout to apply afterwards (default: keep the current one)."""
-        if self.family not in _STREAM_FAMILIES or self.type != _socket.SOCK_STREAM:
+        if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
         request: messages.Request = (
             messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
@@ -332,19 +356,21 @@ class SmcSocket(_BaseSocket):
             self._set_fallback(reply if isinstance(reply, Fallback) else _unexpected(reply, what))
             return
         try:
-            from smc_handoff.channel import Channel as _Channel
-
+            make = _channel_class or _load_channel()
             rx_dmb, tx_dmb, rx_efd, tx_efd, link = fds
-            channel = _Channel(rx_dmb, tx_dmb, reply.rx_size, reply.tx_size, rx_efd, tx_efd, link)
+            channel = make(rx_dmb, tx_dmb, reply.rx_size, reply.tx_size, rx_efd, tx_efd, link)
         except Exception as e:  # unusable descriptors: the TCP stream already spoke CLC
             ctl.close()  # the channel closed the fds it was given
             raise ConnectionResetError(
                 errno.ECONNRESET, f"smcd handed over an unusable channel: {e}"
             ) from e
         role = messages.Role.SERVER if server_side else messages.Role.CLIENT
-        self._smc = _Smc(channel, ctl, reply, role, reply.conn_id)
+        self._smc = _Smc(
+            channel, ctl, reply, role, reply.conn_id, next_check=time.monotonic() + _Smc.RECHECK_S
+        )
         self._fallback = None
-        log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, self.mode)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, self.mode)
 
     def _set_fallback(self, reason: Fallback) -> None:
         self._smc = None
@@ -561,13 +587,12 @@ class SmcSocket(_BaseSocket):
         smc, self._smc = self._smc, None
         self._gone = True
         if smc is not None:
-            ch = smc.channel
-            aborted = True
-            try:  # close() aborts when received data is unread: say so to the daemon
-                aborted = ch.aborted or (ch.readable() and not ch.eof)
-                ch.close()
+            try:  # aborts instead when received data is unread (the peer sees a reset)
+                smc.channel.close()
             finally:
-                smc.notify(messages.Close(aborted, smc.sent, smc.received))
+                # The hang-up is the daemon's notice: it reads the last counters from the DMBs
+                # and releases the record (a CLOSE message first would only make it do that
+                # work twice, so none is sent; the protocol still accepts one).
                 if smc.control is not None:
                     smc.control.close()
         _ss.close(self)
@@ -629,7 +654,7 @@ class SmcSocket(_BaseSocket):
     def accept(self) -> tuple[_socket.socket, Any]:
         """Plain accept, returning an :class:`SmcSocket` in TCP mode (see :class:`SmcServer`)."""
         fd, addr = self._accept()  # type: ignore[attr-defined]
-        conn = SmcSocket(self.family, self.type, self.proto, fileno=fd)
+        conn = SmcSocket(_family_of(self), _type_of(self), _proto_of(self), fileno=fd)
         if _socket.getdefaulttimeout() is None and self.gettimeout():
             conn.setblocking(True)
         return conn, addr
@@ -648,11 +673,12 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
     """
     if isinstance(sock, SmcSocket) and sock._smc is not None:
         return sock
-    if sock.family not in _STREAM_FAMILIES or sock.type != _socket.SOCK_STREAM:
+    family, kind = _family_of(sock), _type_of(sock)
+    if family not in _STREAM_FAMILIES or kind != _SOCK_STREAM:
         raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
     sock.getpeername()  # OSError(ENOTCONN) for a socket that is not connected
     timeout = sock.gettimeout()
-    smc = SmcSocket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+    smc = SmcSocket(family, kind, _proto_of(sock), fileno=sock.detach())
     try:
         smc._handoff(server_side, dmb_size, timeout)  # applies ``timeout`` once, after the exchange
     except BaseException:
@@ -681,6 +707,7 @@ class _Registration:
     def __init__(self, listener: _socket.socket) -> None:
         self._listener = listener
         self._control: _socket.socket | None = None
+        self._hangup = select.poll()  # watches _control (used under _lock)
         self.listener_id: int | None = None
         self.fallback: Fallback | None = None
         self._next_try = 0.0
@@ -698,6 +725,8 @@ class _Registration:
         messages.close_fds(fds)
         if isinstance(reply, messages.Ok):
             self._control, self.listener_id, self.fallback = ctl, reply.ident, None
+            self._hangup = select.poll()
+            self._hangup.register(ctl, select.POLLIN)
             log.debug("listener %d registered", reply.ident)
             return
         ctl.close()
@@ -709,12 +738,10 @@ class _Registration:
         most every second once the daemon dropped it (e.g. restarted)."""
         with self._lock:
             ctl = self._control
-            if ctl is not None:
-                events = select.poll()
-                events.register(ctl, select.POLLIN)
-                if events.poll(0):  # HUP (nothing is ever sent after OK): the daemon let go
-                    ctl.close()
-                    self._control = self.listener_id = None
+            # HUP (nothing is ever sent after OK): the daemon let go
+            if ctl is not None and self._hangup.poll(0):
+                ctl.close()
+                self._control = self.listener_id = None
             if self._control is None and time.monotonic() >= self._next_try:
                 self._register()
             return self._control is not None
@@ -729,12 +756,28 @@ class _Registration:
 
 def _accepted(conn: _socket.socket, reg: _Registration, dmb_size: int = 0) -> SmcSocket:
     """An accepted connection as an SmcSocket: handed off while the listener is registered
-    (only then can a same-host client have proposed SMC), else plain TCP with the reason."""
+    (only then can a same-host client have proposed SMC), else plain TCP with the reason.
+    A fresh TCP-mode SmcSocket (from :meth:`SmcServer.accept`) is handed off in place."""
+    fresh = None
+    if isinstance(conn, SmcSocket) and type(conn) is SmcSocket and conn._smc is None:
+        fresh = conn if conn._fallback is None and not conn._gone else None
     if reg.active:
-        return wrap(conn, server_side=True, dmb_size=dmb_size)
-    timeout = conn.gettimeout()
-    plain = SmcSocket(conn.family, conn.type, conn.proto, fileno=conn.detach())
-    plain.settimeout(timeout)
+        if fresh is None:
+            return wrap(conn, server_side=True, dmb_size=dmb_size)
+        try:
+            fresh.getpeername()  # as wrap(): OSError(ENOTCONN) when the client is gone already
+            fresh._handoff(True, dmb_size)  # keeps its timeout
+        except BaseException:
+            fresh.close()
+            raise
+        return fresh
+    if fresh is not None:
+        plain = fresh
+    else:
+        timeout = conn.gettimeout()
+        fd = conn.detach()
+        plain = SmcSocket(_family_of(conn), _type_of(conn), _proto_of(conn), fileno=fd)
+        plain.settimeout(timeout)
     plain._fallback = reg.fallback or messages.daemon_unavailable("listener not registered")
     return plain
 
@@ -767,8 +810,16 @@ class SmcServer:
         return self._reg.fallback
 
     def accept(self) -> tuple[SmcSocket, Any]:
-        conn, addr = self.socket.accept()
-        return _accepted(conn, self._reg, self.dmb_size), addr
+        listener = self.socket
+        if type(listener).accept is not _BaseSocket.accept:
+            conn, addr = listener.accept()  # a socket class of its own: let it accept
+            return _accepted(conn, self._reg, self.dmb_size), addr
+        # socket.accept(), making the SmcSocket at once (not a socket to detach and re-make).
+        fd, addr = listener._accept()  # type: ignore[attr-defined]
+        smc = SmcSocket(_family_of(listener), _type_of(listener), _proto_of(listener), fileno=fd)
+        if _socket.getdefaulttimeout() is None and listener.gettimeout():
+            smc.setblocking(True)
+        return _accepted(smc, self._reg, self.dmb_size), addr
 
     def fileno(self) -> int:
         return self.socket.fileno()

@@ -7,6 +7,7 @@ import mmap
 import os
 import random
 import select
+import socket
 import time
 
 import pytest
@@ -349,3 +350,29 @@ def test_recv_bytes_crosses_the_wrap_and_keeps_semantics() -> None:
     assert b.recv_bytes(10) == b"bye"
     assert b.recv_bytes(10) == b"" and b.eof
     b.close()
+
+
+def test_poll_objects_are_built_only_when_a_wait_sleeps() -> None:
+    """A short connection never sleeps: its channel builds no poll object; the first sleep,
+    a hang-up check and level mode build theirs, and they work."""
+    a, b = pair()
+    try:
+        pollers = ("_link_poller", "_efd_poller", "_hup_poller", "_level_poller")
+        assert [getattr(a, p) for p in pollers] == [None] * 4
+        assert a._link.family == socket.AF_UNIX and a._link.type == socket.SOCK_SEQPACKET
+        b.send_into(b"x")
+        assert a.recv_bytes(10) == b"x"  # data there: no wait
+        assert [getattr(a, p) for p in pollers] == [None] * 4
+        assert not a.wait_readable(0.05)  # sleeps (timeout): on the link
+        assert a._link_poller is not None and not a.peer_closed
+        assert a._hup_poller is not None
+        fd = a.fileno()  # level mode (its poll object is built once data is pending)
+        assert not select.select([fd], [], [], 0)[0]
+        b.send_into(b"y")
+        assert select.select([fd], [], [], 5)[0]
+        assert a.recv_bytes(10) == b"y"
+        b.close()
+        assert select.select([fd], [], [], 5)[0] and a.recv_bytes(10) == b""
+    finally:
+        a.close()
+        b.close()

@@ -221,6 +221,27 @@ def test_send_recv_with_fds() -> None:
         os.close(w)
 
 
+class _MyShutdown(m.Shutdown):
+    """An application's subclass of a message class: still sent as its type."""
+
+
+def test_send_checks_each_types_fd_count() -> None:
+    channel = m.Channel(1, m.Mode.SMCD, 16384, 16384)
+    a, b = _pair()
+    try:
+        for msg, n in ((m.Connect(), 1), (m.Listen(), 1), (m.Ok(1), 0), (channel, 5)):
+            with pytest.raises(ValueError, match=f"carries {n} descriptors, got {n + 1}"):
+                m.send_message(a, msg, list(range(100, 101 + n)))
+        with pytest.raises(ValueError, match="SHUTDOWN carries 0 descriptors, got 1"):
+            m.send_message(a, _MyShutdown(1), [0])
+        m.send_message(a, _MyShutdown(2), [])
+        msg, fds = m.recv_message(b, requests=True)
+        assert type(msg) is m.Shutdown and msg.how == 2 and fds == []
+    finally:
+        a.close()
+        b.close()
+
+
 def _raw_send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     sock.sendmsg([data], anc)
