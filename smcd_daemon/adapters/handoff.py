@@ -975,7 +975,7 @@ class HandoffServer:
         """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
         configuration's ``peers`` and not reached through loopback, while the provider has a
         service (modes, an ACTIVE RDMA port)."""
-        if self.smcr is None:
+        if self.smcr is None or not self.cfg.peers:
             return None
         local, peer = endpoint(tcp.local)[0], endpoint(tcp.peer)[0]
         if not any(peer.version == net.version and peer in net for net in self.cfg.peers):

@@ -115,7 +115,36 @@ def endpoint(addr: Any) -> Endpoint:
         raise PairingError(f"not a socket address: {addr!r}") from None
 
 
-_IP_TYPES = (ipaddress.IPv4Address, ipaddress.IPv6Address)
+class IPv4Address(ipaddress.IPv4Address):
+    """An ``ipaddress.IPv4Address`` that computes its hash once. Endpoints are dictionary keys
+    several times per handoff (pairing table, pairs, sessions), and ``ipaddress`` hashes by
+    formatting the address as hex text every time. Same name, value, equality and hash as the
+    base class; only :func:`endpoint` makes them."""
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, address: int) -> None:
+        super().__init__(address)
+        self._hash = ipaddress.IPv4Address.__hash__(self)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+class IPv6Address(ipaddress.IPv6Address):
+    """The IPv6 counterpart of :class:`IPv4Address` (the scope id stays in the endpoint)."""
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, address: int) -> None:
+        super().__init__(address)
+        self._hash = ipaddress.IPv6Address.__hash__(self)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+_IP_TYPES = (IPv4Address, IPv6Address, ipaddress.IPv4Address, ipaddress.IPv6Address)
 _HOSTS: dict[str, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, bool]] = {}
 """Host text → (normalised address, keeps its scope id), as :func:`_normalise` decides."""
 
@@ -141,7 +170,8 @@ def _normalise(addr: tuple[Any, ...]) -> Endpoint:
         scope = 0
     if not isinstance(port, int) or not 0 <= port <= 0xFFFF:
         raise PairingError(f"not a port: {port!r}")
-    return (ip, port, int(scope))
+    fast = IPv4Address(int(ip)) if ip.version == 4 else IPv6Address(int(ip))
+    return (fast, port, int(scope))
 
 
 @dataclass

@@ -72,6 +72,15 @@ def test_endpoint_normalises_both_spellings_of_an_address() -> None:
     assert endpoint(("::ffff:127.0.0.1", 80, 0, 0)) == v4  # a v6 client of a v4 listener
     assert endpoint(("fe80::1%2", 80, 7, 2)) == (ipaddress.IPv6Address("fe80::1"), 80, 2)
     assert endpoint(v4) == v4
+    # the addresses hash once, and stay interchangeable with ipaddress's as keys and in networks
+    for ep, plain in (
+        (v4, ipaddress.IPv4Address("127.0.0.1")),
+        (endpoint(("::1", 1)), ipaddress.IPv6Address("::1")),
+    ):
+        ip = ep[0]
+        assert isinstance(ip, type(plain)) and repr(ip) == repr(plain)
+        assert ip == plain and hash(ip) == hash(plain) and {plain: 1}[ip] == 1
+        assert ip in ipaddress.ip_network(f"{plain}/{plain.max_prefixlen}")
     for bad in ("127.0.0.1", ("nohost", 1), ("127.0.0.1", 70000), ("127.0.0.1",)):
         with pytest.raises(PairingError):
             endpoint(bad)
