@@ -62,7 +62,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -238,6 +237,23 @@ def _zero(fd: int, size: int) -> None:
         os.pwrite(fd, bytes(size), 0)
 
 
+class _RandomTokens:
+    """64-bit tokens from the kernel's CSPRNG, drawn 512 at a time: every handoff registers
+    two DMBs, and one ``getrandom`` per token was a system call of each."""
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._pos = 0
+
+    def __call__(self) -> int:
+        pos = self._pos
+        if pos >= len(self._pool):
+            self._pool = os.urandom(4096)
+            pos = 0
+        self._pos = pos + 8
+        return int.from_bytes(self._pool[pos : pos + 8], "little")
+
+
 class DmbPool:
     """Size-classed, refcounted, quota-bounded pool of memfd DMBs (see the module docstring)."""
 
@@ -262,7 +278,7 @@ class DmbPool:
         self.pool_max_buffers = pool_max_buffers
         self.user_max_bytes = user_max_bytes
         self.user_max_buffers = user_max_buffers
-        self._token_source = token_source or (lambda: secrets.randbits(64))
+        self._token_source = token_source or _RandomTokens()
         self._by_token: dict[int, Dmb] = {}  # registered or still attached
         self._free: dict[int, list[Dmb]] = {c: [] for c in range(SMCD_DMBE_SIZES + 1)}
         self._all: set[Dmb] = set()
