@@ -32,36 +32,57 @@ class Reader:
 
     def need(self, off: int, size: int, field: str) -> None:
         if off < 0 or off + size > len(self.buf):
-            raise TruncatedError(
-                f"needs {size} byte(s) but the message has {max(len(self.buf) - off, 0)} left "
-                f"(length {len(self.buf)})",
-                field=field,
-                offset=off,
-            )
+            self._short(off, size, field)
+
+    def _short(self, off: int, size: int, field: str) -> None:
+        raise TruncatedError(
+            f"needs {size} byte(s) but the message has {max(len(self.buf) - off, 0)} left "
+            f"(length {len(self.buf)})",
+            field=field,
+            offset=off,
+        )
+
+    # Each accessor checks its bounds inline (no call to need): a handshake decodes a few
+    # dozen fields, and the call was the larger part of each read.
 
     def raw(self, off: int, size: int, field: str) -> bytes:
-        self.need(off, size, field)
-        return self.buf[off : off + size]
+        buf = self.buf
+        if off < 0 or off + size > len(buf):
+            self._short(off, size, field)
+        return buf[off : off + size]
 
     def u8(self, off: int, field: str) -> int:
-        self.need(off, 1, field)
-        return self.buf[off]
+        buf = self.buf
+        if off < 0 or off >= len(buf):
+            self._short(off, 1, field)
+        return buf[off]
 
     def u16(self, off: int, field: str, *, little: bool = False) -> int:
-        self.need(off, 2, field)
-        return int((_U16LE if little else _U16).unpack_from(self.buf, off)[0])
+        buf = self.buf
+        if off < 0 or off + 2 > len(buf):
+            self._short(off, 2, field)
+        value: int = (_U16LE if little else _U16).unpack_from(buf, off)[0]
+        return value
 
     def u24(self, off: int, field: str) -> int:
-        self.need(off, 3, field)
-        return int.from_bytes(self.buf[off : off + 3], "big")
+        buf = self.buf
+        if off < 0 or off + 3 > len(buf):
+            self._short(off, 3, field)
+        return int.from_bytes(buf[off : off + 3], "big")
 
     def u32(self, off: int, field: str, *, little: bool = False) -> int:
-        self.need(off, 4, field)
-        return int((_U32LE if little else _U32).unpack_from(self.buf, off)[0])
+        buf = self.buf
+        if off < 0 or off + 4 > len(buf):
+            self._short(off, 4, field)
+        value: int = (_U32LE if little else _U32).unpack_from(buf, off)[0]
+        return value
 
     def u64(self, off: int, field: str) -> int:
-        self.need(off, 8, field)
-        return int(_U64.unpack_from(self.buf, off)[0])
+        buf = self.buf
+        if off < 0 or off + 8 > len(buf):
+            self._short(off, 8, field)
+        value: int = _U64.unpack_from(buf, off)[0]
+        return value
 
 
 def u16be(value: int) -> bytes:
