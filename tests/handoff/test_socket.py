@@ -754,18 +754,24 @@ def test_daemon_of_another_user_is_not_trusted(monkeypatch: pytest.MonkeyPatch) 
 # --- the listener -------------------------------------------------------------------------------
 
 
+def _accept_a_client(server: smc_handoff.SmcServer) -> tuple[SmcSocket, Any, SmcSocket]:
+    """Accept one connection that a thread makes with ``smc_handoff.connect``: (accepted
+    socket, its peer address, the client's socket)."""
+    out: dict[str, SmcSocket] = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault("c", smc_handoff.connect(server.getsockname()))
+    )
+    t.start()
+    conn, addr = server.accept()
+    t.join(10)
+    return conn, addr, out["c"]
+
+
 def test_listen_registers_and_accept_hands_off(daemon: MiniDaemon) -> None:
     with smc_handoff.listen(("127.0.0.1", 0)) as server:
         assert server.registered and server.listener_id == 1 and server.fallback is None
         assert "listener 1" in repr(server)
-        out: dict[str, SmcSocket] = {}
-        t = threading.Thread(
-            target=lambda: out.setdefault("c", smc_handoff.connect(server.getsockname()))
-        )
-        t.start()
-        conn, _ = server.accept()
-        t.join(10)
-        client = out["c"]
+        conn, _, client = _accept_a_client(server)
         assert conn.mode == client.mode == "smcd"
         client.sendall(b"over smc")
         assert recv_exactly(conn, 8) == b"over smc"
@@ -807,14 +813,7 @@ def test_server_accept_as_socket_accept(daemon: MiniDaemon, own_accept: bool) ->
     listener.settimeout(5)
     _CountingListener.accepted = 0
     with smc_handoff.SmcServer(listener) as server:
-        out: dict[str, SmcSocket] = {}
-        t = threading.Thread(
-            target=lambda: out.setdefault("c", smc_handoff.connect(server.getsockname()))
-        )
-        t.start()
-        conn, addr = server.accept()
-        t.join(10)
-        client = out["c"]
+        conn, addr, client = _accept_a_client(server)
         assert type(conn) is SmcSocket and conn.mode == client.mode == "smcd"
         assert _CountingListener.accepted == (1 if own_accept else 0)
         assert conn.gettimeout() is None  # as socket.accept with no default timeout
