@@ -14,9 +14,11 @@ Order of a first contact, as the kernel does it:
 
 If the link does not come up, the negotiation is told (``link_failed``): it waits briefly for
 the peer's Decline, else declines with SMC_CLC_DECL_TIMEOUT_CL, and everything it took (RMB,
-link group) is given back. Handshakes are serialized per service (the kernel's
-``smc_client_lgr_pending``/``smc_server_lgr_pending``), so a second connection to the same peer
-finds the first one's link group and reuses it (no new QP).
+link group) is given back. Handshakes are serialized per role, from the peer's first message on
+(the kernel's ``smc_client_lgr_pending``/``smc_server_lgr_pending``: a client's Proposal and
+the Accept it waits for pass unlocked), so a second connection to the same peer finds the first
+one's link group and reuses it (no new QP), and two hosts dialing each other at once do not wait
+on each other.
 
 Facts for the negotiator come from the device inventory (netdevs, addresses, RDMA ports and
 GIDs) and, for routes and neighbours, from the kernel itself (``RTM_GETROUTE`` with the source
@@ -183,6 +185,25 @@ class KernelRouting:
         self._worker.shutdown(wait=False)
 
 
+class _Pending:
+    """One handshake's hold on its role's link-group lock: taken once, when the peer's first
+    message is about to be acted on, released by the handshake's owner at its end."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self._lock = lock
+        self._held = False
+
+    async def acquire(self) -> None:
+        if not self._held:
+            await self._lock.acquire()
+            self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+
 class SmcrService:
     """SMC-R handshakes and connections for one smcd (see the module docstring).
 
@@ -226,7 +247,13 @@ class SmcrService:
         self.confirm_link_wait = confirm_link_wait
         self.hostname = hostname if hostname is not None else socket.gethostname()
         self.routing = routing if routing is not None else KernelRouting(inventory)
-        self._lock = asyncio.Lock()
+        # The kernel's smc_client_lgr_pending and smc_server_lgr_pending: one handshake per role
+        # at a time decides about link groups (so the next finds the link group the first made),
+        # but a client handshake never waits for a server one. With one lock for both, two
+        # daemons dialing each other at once each held theirs while waiting for the other's
+        # Accept, which the other's server half could not send until a timer fired.
+        self._client_lock = asyncio.Lock()
+        self._server_lock = asyncio.Lock()
         if transport.alt_ports is None:
             transport.alt_ports = self.alt_ports_for
         self._netdev_up = {d.name: d.is_up for d in inventory.netdevs()}
@@ -337,14 +364,16 @@ class SmcrService:
         """Client half: ``tcp_fd`` is our own copy of the application's connected socket (it is
         closed before returning). The caller decided that the peer speaks SMC."""
         tcp = BorrowedTcp(tcp_fd)
+        pending = _Pending(self._client_lock)
         try:
-            async with self._lock:
-                local, peer = _ip(tcp.local), _ip(tcp.peer)
-                neg = ClientSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
-                                            self.transport)  # fmt: skip
-                outcome = await self._drive(neg, tcp, neg.start())
-                return self._finish(neg, outcome, tcp, reg.ConnRole.CLIENT, uid, pid)
+            local, peer = _ip(tcp.local), _ip(tcp.peer)
+            neg = ClientSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
+                                        self.transport)  # fmt: skip
+            # as smc_connect_rdma: the Proposal goes out and the Accept comes in unlocked
+            outcome = await self._drive(neg, tcp, neg.start(), pending)
+            return self._finish(neg, outcome, tcp, reg.ConnRole.CLIENT, uid, pid)
         finally:
+            pending.release()
             tcp.close()
 
     async def accept(
@@ -360,12 +389,15 @@ class SmcrService:
                     int(DeclineReason.PEERNOSMC), None, True,
                     f"no CLC Proposal from the client ({seen.kind})",
                 )  # fmt: skip
-            async with self._lock:
+            pending = _Pending(self._server_lock)
+            try:
                 local, peer = _ip(tcp.local), _ip(tcp.peer)
                 neg = ServerSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
                                             self.transport)  # fmt: skip
-                outcome = await self._drive(neg, tcp, None)
+                outcome = await self._drive(neg, tcp, None, pending)
                 return self._finish(neg, outcome, tcp, reg.ConnRole.SERVER, uid, pid)
+            finally:
+                pending.release()
         finally:
             tcp.close()
 
@@ -374,9 +406,12 @@ class SmcrService:
         neg: ClientSmcrNegotiation | ServerSmcrNegotiation,
         tcp: BorrowedTcp,
         step: SmcrStep | None,
+        pending: _Pending,
     ) -> Any:
         """``clc_io.drive`` plus the link layer: RTR before a first-contact client's Confirm,
-        CONFIRM LINK after the handshake, ``link_failed`` when it does not come up."""
+        CONFIRM LINK after the handshake, ``link_failed`` when it does not come up. ``pending``
+        is taken before the peer's first message is acted on (the Proposal for a server, the
+        Accept for a client) and held by the caller to the end of the handshake."""
         step = step or SmcrStep()
         link_checked = False
         try:
@@ -426,6 +461,7 @@ class SmcrService:
                     log.debug("CLC: reading from %s: %r", tcp.peer, e)
                     step = neg.on_eof()
                     continue
+                await pending.acquire()
                 step = neg.receive_data(data)
         except asyncio.CancelledError:
             if not neg.done:

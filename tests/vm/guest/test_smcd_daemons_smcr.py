@@ -58,6 +58,8 @@ BULK_RMB = 512 << 10
 CONNS = 100
 BULK_PORT = 47311
 MANY_PORT = 47312
+CROSS_PORT_A = 47313  # a listener of host A's application (the other tests listen on B only)
+CROSS_PORT_B = 47314
 
 # ---------------------------------------------------------------------------- the applications
 
@@ -215,6 +217,41 @@ print(json.dumps(out), flush=True)
 sys.stdin.readline()
 for s in socks:
     s.close()
+"""
+)
+
+CROSS = (
+    COMMON
+    + r"""
+me, other, lport, dport = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+srv = smc_handoff.listen((me, lport), backlog=8)
+got = {}
+def accepted():
+    try:
+        c, _ = srv.accept()
+        got["accepted"], got["accepted_fallback"] = c.mode, str(c.fallback)
+        got["accepted_data"] = recv_exact(c, 6).decode()
+        c.sendall(b"a-" + me.encode())
+        c.recv(1)
+        c.close()
+    except BaseException as e:
+        got["accepted_error"] = repr(e)
+th = threading.Thread(target=accepted)
+th.start()
+print("LISTENING", flush=True)
+sys.stdin.readline()  # both dial at once
+try:
+    s = smc_handoff.connect((other, dport), 60, source_address=(me, 0))
+    got["dialed"], got["dialed_fallback"] = s.mode, str(s.fallback)
+    s.sendall(b"dialed")
+    got["dialed_data"] = recv_exact(s, 2 + len(other)).decode()
+    s.close()
+except BaseException as e:
+    got["dialed_error"] = repr(e)
+th.join(120)
+print(json.dumps(got), flush=True)
+sys.stdin.readline()
+srv.close()
 """
 )
 
@@ -473,5 +510,31 @@ def test_100_connections_one_link_group_one_qp(
             f"99 opened in {opened:.1f} s, {total / (1 << 20):.1f} MiB moved in {moved:.1f} s, "
             f"{time.monotonic() - t0:.1f} s in all",
         )
+    finally:
+        apps.finish()
+
+
+@pytest.mark.timeout(600)
+def test_two_hosts_dialing_each_other_at_once(daemons: tuple[Daemon, Daemon]) -> None:
+    """A and B each dial the other's listener at the same moment: four handshakes in flight
+    at once, a client and a server one in each daemon. All four connections end on SMC-R; with
+    one handshake lock per daemon (instead of the kernel's one per role), each daemon's client
+    half held it while waiting for an Accept that the other's server half could not send, and
+    one side fell back when its CLC timer fired. (Last in the module: it adds a link group in
+    the other direction to daemons the tests above expect to hold one.)"""
+    a, b = daemons
+    apps = Apps(daemons)
+    try:
+        apps.start("on a", CROSS, a, "192.0.2.1", "192.0.2.2", CROSS_PORT_A, CROSS_PORT_B)
+        apps.start("on b", CROSS, b, "192.0.2.2", "192.0.2.1", CROSS_PORT_B, CROSS_PORT_A)
+        assert apps.line("on a") == "LISTENING" and apps.line("on b") == "LISTENING"
+        apps.tell("on a")
+        apps.tell("on b")
+        results = {name: json.loads(apps.line(name)) for name in ("on a", "on b")}
+        for name, other in (("on a", "192.0.2.2"), ("on b", "192.0.2.1")):
+            r = results[name]
+            assert "dialed_error" not in r and "accepted_error" not in r, (name, r)
+            assert (r["dialed"], r["accepted"]) == ("smcr", "smcr"), (name, r, apps.context())
+            assert r["accepted_data"] == "dialed" and r["dialed_data"] == "a-" + other, (name, r)
     finally:
         apps.finish()
