@@ -18,9 +18,9 @@ The issue's done-when scale, through that path:
 The two daemons are shared by the module (starting a Python daemon under TCG costs tens of
 seconds) and configured with a long link-group linger, so every connection of the module lands
 in the link group the first one created, and limited to one link per link group (the second
-wire is the failover tests' business). The 100 connections are opened one after the other: the
-server application hands its accepted sockets to its daemon in accept order, so concurrent dials
-could leave the two daemons waiting on each other's handshakes until a timer fires.
+wire is the failover tests' business). The 100 connections are opened one after the other (the
+server application hands its accepted sockets to its daemon one at a time, in accept order);
+concurrent handshakes in both directions are the cross-dial test's.
 
 Every wait has a deadline; nothing asserts a duration (TCG makes everything slow); the rates
 are printed (``-s``) and kept in ``scratch/<test>/figures.txt``. Host variables reach the guest
@@ -191,8 +191,7 @@ def dial(i=0):
 socks = [dial()]
 print("FIRST " + socks[0].mode, flush=True)
 sys.stdin.readline()
-# one after the other: the server's accept loop hands its connections to its daemon in
-# accept order, so concurrent dials could make the two daemons wait on each other
+# one after the other, as the server's accept loop hands its connections to its daemon
 socks += [dial(i) for i in range(count - 1)]
 print("OPEN " + json.dumps(sorted({s.mode for s in socks})), flush=True)
 sys.stdin.readline()
