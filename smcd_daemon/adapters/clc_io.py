@@ -28,22 +28,30 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import (
     ClientNegotiation,
+    FallbackOutcome,
     Outcome,
     ServerNegotiation,
     Step,
     classify_first_bytes,
+    peer_decline_fallback,
 )
+from smcd_daemon.wire.clc import decode as decode_clc
+from smcd_daemon.wire.clc_base import EYECATCHERS, ClcType
+from smcd_daemon.wire.clc_decline import Decline
+from smcd_daemon.wire.reasons import explain
 
 __all__ = [
     "BorrowedTcp",
     "BorrowedTcpError",
     "PeekResult",
+    "answer_too_late",
+    "client_gave_up",
     "drive",
     "peek_proposal",
 ]
@@ -263,6 +271,60 @@ async def peek_proposal(tcp: BorrowedTcp, wait: float) -> PeekResult:
         await asyncio.sleep(min(0.005, max(left, 0.0)))
 
 
+_MAX_DECLINE = 1024
+"""Larger than any CLC Decline (28 bytes in v1, 44 in v2): a "Decline" header announcing more
+is not one, and is left to the negotiator."""
+
+
+async def client_gave_up(tcp: BorrowedTcp, timeout: float) -> bytes | None:
+    """Server half, about to answer a client's Proposal: has the client given up already?
+
+    A client that waited longer than its CLC timer for our answer (a server application that
+    handed its socket over late, an overloaded daemon) has sent a Decline after its Proposal and
+    fallen back: its application now owns the stream, and an Accept or Decline from us would
+    reach it as data. So we look (``MSG_PEEK``) for a Decline behind the Proposal; when one is
+    there we take it out of the stream (the server application must not read it either) and
+    return its bytes; else None, and nothing is consumed."""
+    try:
+        head = tcp.sock.recv(8, socket.MSG_PEEK | _DONTWAIT)
+    except OSError:  # nothing there (EAGAIN) or a broken socket: the answer's send decides
+        return None
+    if len(head) < 8 or head[:4] not in EYECATCHERS or head[4] != ClcType.DECLINE:
+        return None
+    length = int.from_bytes(head[5:7], "big")
+    if not 8 < length <= _MAX_DECLINE:
+        return None
+    try:
+        return await tcp.read_exactly(length, timeout)
+    except (TimeoutError, _Eof, OSError):
+        return None
+
+
+def answer_too_late(negotiation: Any, step: Any, decline: bytes) -> Any:
+    """What a server half does instead of sending ``step`` when the client had already given
+    up (:func:`client_gave_up`): an Accept is treated as sent and the Decline as the client's
+    answer to it (the negotiator releases what the Accept held); our own Decline is not sent.
+    For the SMC-D and the SMC-R server negotiators alike (``receive_data`` and a step with an
+    ``outcome``)."""
+    out = step.outcome
+    if out is None:
+        return negotiation.receive_data(decline)
+    try:
+        msg = decode_clc(decline)
+    except SmcError:
+        msg = None
+    if isinstance(out, FallbackOutcome) and isinstance(msg, Decline):
+        # The client declined first: that is the outcome, as if it had declined our Proposal
+        # answer (what we would have declined with stays in the explanation).
+        ours = explain(out.reason).name if out.reason else "no code"
+        return Step(
+            outcome=peer_decline_fallback(
+                msg, f"; it had given up waiting for our answer (we would have declined: {ours})"
+            )
+        )
+    return Step(outcome=out)
+
+
 async def _send(tcp: BorrowedTcp, step: Step, timeout: float) -> bool:
     """Send the step's messages; False if the peer is gone or does not read."""
     data = step.data
@@ -289,10 +351,17 @@ async def drive(
     best-effort basis). Cancelling the task aborts the negotiation (its resources are released).
     """
     step = first if first is not None else Step()
+    answering = isinstance(negotiation, ServerNegotiation)  # our answer to the Proposal is due
     try:
         while True:
             if step.send:
                 timeout = negotiation.facts.clc_wait
+                if answering:
+                    answering = False
+                    late = await client_gave_up(tcp, timeout)
+                    if late is not None:
+                        step = answer_too_late(negotiation, step, late)
+                        continue
                 if not await _send(tcp, step, timeout) and step.outcome is None:
                     step = negotiation.on_eof()
                     continue

@@ -41,7 +41,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from smc_handoff.channel import ChannelFds
-from smcd_daemon.adapters.clc_io import BorrowedTcp, peek_proposal
+from smcd_daemon.adapters.clc_io import (
+    BorrowedTcp,
+    answer_too_late,
+    client_gave_up,
+    peek_proposal,
+)
 from smcd_daemon.core import registry as reg
 from smcd_daemon.core.devices import (
     DeviceEvent,
@@ -414,6 +419,7 @@ class SmcrService:
         Accept for a client) and held by the caller to the end of the handshake."""
         step = step or SmcrStep()
         link_checked = False
+        answering = isinstance(neg, ServerSmcrNegotiation)  # our answer to the Proposal is due
         try:
             while True:
                 out = step.outcome
@@ -425,6 +431,12 @@ class SmcrService:
                     except SmcError as e:
                         step = neg.link_failed(str(e))
                         link_checked = True
+                        continue
+                if step.send and answering:
+                    answering = False
+                    late = await client_gave_up(tcp, self.clc_wait)
+                    if late is not None:
+                        step = answer_too_late(neg, step, late)
                         continue
                 if step.send:
                     try:

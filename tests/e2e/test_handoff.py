@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from smc_handoff.messages import FALLBACK_DAEMON_UNAVAILABLE
-from smcd_daemon.wire.reasons import DeclineReason
+from smcd_daemon.wire.reasons import DeclineReason, LegacyDeclineReason
 from tests.e2e.conftest import PROPOSAL_WAIT, Smcd, pair
 
 pytestmark = pytest.mark.timeout(120)
@@ -231,5 +231,32 @@ def test_fallback_quota_exceeded(smcd: Smcd, apps: Any) -> None:
         server3, client3, _ = pair(apps)
         server3.call("close")
         client3.call("close")
+    finally:
+        smcd.reload()
+
+
+def test_server_handing_over_after_the_clients_clc_timer_leaves_both_streams_clean(
+    smcd: Smcd, apps: Any
+) -> None:
+    """The server application hands its accepted socket to smcd only after the client half's
+    CLC timer fired: the client declined (TIMEOUT) and went on over TCP. The server half then
+    finds the client's Decline behind its Proposal and answers nothing: neither application
+    ever reads a CLC byte as data, and both see the fallback."""
+    smcd.reload("clc_wait = 0.5\n")  # inside [timeouts]: the client gives up quickly
+    try:
+        server, client = apps("server"), apps("client")
+        listening = server.call("listen")
+        assert listening["registered"], listening
+        c = client.call("connect", port=listening["port"])  # nobody hands the server half over
+        assert c["mode"] == "tcp", c
+        assert c["fallback"]["code"] == int(LegacyDeclineReason.TIMEOUT), c
+        client.call("sendbytes", data="request")  # the client application goes on over TCP
+        s = server.call("accept")  # the server application, late: the TCP connection waited
+        assert s["mode"] == "tcp", s
+        assert s["fallback"]["code"] == PEERDECL, s  # the client's Decline, taken off the stream
+        assert s["fallback"]["peer_diagnosis"] == int(LegacyDeclineReason.TIMEOUT), s
+        assert server.call("recv", n=7)["data"] == "request"  # no CLC bytes before the data
+        server.call("sendbytes", data="reply")
+        assert client.call("recv", n=5)["data"] == "reply"  # none toward the client either
     finally:
         smcd.reload()
