@@ -63,6 +63,7 @@ class Plan:
     rtt_repeats: int
     setup_count: int
     setup_warmup: int
+    setup_repeats: int
 
 
 FULL = Plan(
@@ -75,6 +76,7 @@ FULL = Plan(
     rtt_repeats=3,
     setup_count=500,
     setup_warmup=50,
+    setup_repeats=3,
 )
 QUICK = Plan(
     tput_64k_bytes=64 << 20,
@@ -86,6 +88,7 @@ QUICK = Plan(
     rtt_repeats=1,
     setup_count=100,
     setup_warmup=10,
+    setup_repeats=1,
 )
 
 
@@ -183,11 +186,21 @@ class Bench:
         progress("connection setup, one at a time")
 
         def setup1(kind: str) -> tuple[float | None, ...]:
-            s = _measure.setup(kind, p.setup_count, p.setup_warmup)
-            handoff = (s.handoff_p50_us, s.handoff_p99_us) if kind == "smcd" else (None, None)
+            # each run a fresh pair of processes, as for the ping-pong: the median of each figure
+            runs = [
+                _measure.setup(kind, p.setup_count, p.setup_warmup) for _ in range(p.setup_repeats)
+            ]
+            med = statistics.median
+            rate = med(r.rate for r in runs)
+            handoff = (
+                (med(r.handoff_p50_us for r in runs), med(r.handoff_p99_us for r in runs))
+                if kind == "smcd"
+                else (None, None)
+            )
             # every smcd connection is two handoffs: the client's wrap and the server's
-            handoffs = HANDOFFS_PER_CONNECTION * s.rate if kind == "smcd" else None
-            return (s.connect_p50_us, s.connect_p99_us, *handoff, s.rate, handoffs)
+            handoffs = HANDOFFS_PER_CONNECTION * rate if kind == "smcd" else None
+            connect = (med(r.connect_p50_us for r in runs), med(r.connect_p99_us for r in runs))
+            return (*connect, *handoff, rate, handoffs)
 
         self.each(
             ("connect_p50", "connect_p99", "handoff_p50", "handoff_p99", "rate_1", "handoffs_1"),
@@ -196,7 +209,10 @@ class Bench:
         progress(f"connection setup, {CONCURRENCY} at a time")
 
         def setup_n(kind: str) -> tuple[float | None, ...]:
-            rate = _measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY)
+            rate = statistics.median(
+                _measure.setup_rate(kind, p.setup_count, p.setup_warmup, CONCURRENCY)
+                for _ in range(p.setup_repeats)
+            )
             return (rate, HANDOFFS_PER_CONNECTION * rate if kind == "smcd" else None)
 
         self.each(("rate_n", "handoffs_n"), setup_n)
@@ -266,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         f"sizes: throughput {plan.tput_64k_bytes >> 20} MiB per run (median of "
         f"{plan.tput_repeats}), ping-pong {plan.rtt_rounds:,} rounds per run (median of "
         f"{plan.rtt_repeats}), "
-        f"{plan.setup_count:,} connections; all after warm-up"
+        f"{plan.setup_count:,} connections per run (median of {plan.setup_repeats}); all after "
+        "warm-up"
     )
     print()
     print(render(bench.res))
