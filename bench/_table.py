@@ -166,7 +166,9 @@ NA = "n/a"
 DASH = "-"
 
 
-def _num(value: float | None, scale: float) -> str:
+def format_number(value: float | None, scale: float) -> str:
+    """A figure for a table cell: three significant digits or so, n/a when not measured (the
+    SMC-R VM bench's table uses it too)."""
     if value is None:
         return NA
     v = value / scale
@@ -202,7 +204,8 @@ def cells(res: Results) -> list[tuple[str, ...]]:
             t, u = _v(res, "tcp", row.key), _v(res, "unix", row.key)
             # the ceiling row's baselines are those of the row above: shown there only
             own = row.kind == "smcd"
-            base = (_num(t, row.scale), _num(u, row.scale)) if own else (DASH, DASH)
+            fmt = format_number
+            base = (fmt(t, row.scale), fmt(u, row.scale)) if own else (DASH, DASH)
             ratios = (_ratio(s, t), _ratio(s, u))
         else:
             base = ratios = (DASH, DASH)
@@ -213,7 +216,7 @@ def cells(res: Results) -> list[tuple[str, ...]]:
             met = "met" if row.target.met(res) else "NOT met"
             if row.target.remark is not None and (remark := row.target.remark(res)):
                 met += f" ({remark})"
-        out.append((row.label, row.unit, *base, _num(s, row.scale), *ratios, target, met))
+        out.append((row.label, row.unit, *base, format_number(s, row.scale), *ratios, target, met))
     return out
 
 

@@ -48,6 +48,7 @@ sys.path.insert(0, os.fspath(HERE))
 sys.path.insert(1, os.fspath(ROOT))
 
 from _fork import NotOnSmc, fork_server  # noqa: E402
+from _table import format_number as _num  # noqa: E402
 
 import smc_handoff  # noqa: E402
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd, stop_all  # noqa: E402
@@ -425,19 +426,6 @@ def measure(plan: Plan, a: PrivateSmcd, b: PrivateSmcd, log: Callable[[str], Non
             res.checked_bytes[kind] += checked
             log(f"  {kind:4} {name}: {values} ({time.monotonic() - t0:.1f} s)")
     return res
-
-
-def _num(value: float | None, scale: float) -> str:
-    if value is None:
-        return NA
-    v = value / scale
-    if v >= 1000:
-        return f"{v:,.0f}"
-    if v >= 100:
-        return f"{v:.0f}"
-    if v >= 10:
-        return f"{v:.1f}"
-    return f"{v:.2f}"
 
 
 def cells(res: Results) -> list[tuple[str, ...]]:
