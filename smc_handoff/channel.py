@@ -10,7 +10,7 @@ Each end maps both DMBs of the connection read-write (memfds handed over with SC
 
 So, as with loopback-ism, a byte is copied exactly twice (application buffer → peer's DMB →
 peer's application buffer) and each header word has exactly one writer. The layout, the atomic
-cursor words and the memory-ordering argument live in :mod:`smc_handoff._ring`.
+cursor words and the memory-ordering argument live in :mod:`smc_handoff.layout`.
 
 Wakeups: a waiter first spins briefly (adaptive budget; pure loads, with a ``sched_yield`` every
 few microseconds so that a peer queued on the same CPU runs at once, and no spinning for a while
@@ -58,8 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smc_handoff import _ring
-from smc_handoff._ring import (
+from smc_handoff import layout
+from smc_handoff.layout import (
     C_KICK,
     C_KICK_SPACE,
     C_WAIT,
@@ -89,7 +89,7 @@ __all__ = [
     "zero_dmb",
 ]
 
-DMB_SIZES = _ring.DMB_SIZES
+DMB_SIZES = layout.DMB_SIZES
 
 # CDC flag bits (same values as smcd_daemon.wire.cdc.ProducerFlag / ConnStateFlag).
 WRITE_BLOCKED = 0x80
@@ -133,7 +133,7 @@ _SLEEP_CAP_S = 1.0
 
 
 class ChannelUnsupportedError(OSError):
-    """This CPU's memory model does not give the ordering the ring needs (see ``_ring``);
+    """This CPU's memory model does not give the ordering the ring needs (see ``layout``);
     the caller should fall back to TCP."""
 
 
@@ -227,14 +227,14 @@ class Channel:
         self._closed = True  # until fully built, so __del__/close stay quiet
         owned = [rx_dmb_fd, tx_dmb_fd, rx_eventfd, tx_eventfd, peer_link_fd]
         try:
-            if not _ring.ORDERING_OK:
+            if not layout.ORDERING_OK:
                 raise ChannelUnsupportedError(
                     errno.EOPNOTSUPP, "shared-memory channel needs a TSO CPU (x86-64, s390x)"
                 )
             check_dmb_size(rx_size)
             check_dmb_size(tx_size)
-            rx_mm = _ring.map_dmb(rx_dmb_fd, rx_size)
-            tx_mm = _ring.map_dmb(tx_dmb_fd, tx_size)
+            rx_mm = layout.map_dmb(rx_dmb_fd, rx_size)
+            tx_mm = layout.map_dmb(tx_dmb_fd, tx_size)
             os.set_blocking(rx_eventfd, False)
             # Family and type given: the daemon's (and make_pair's) link is always an AF_UNIX
             # SOCK_SEQPACKET socketpair end, and asking the kernel would cost two getsockopt.
@@ -460,7 +460,7 @@ class Channel:
                 self._tx_wbits = wrap << WRAP_SHIFT
             hdr[W_PROD] = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
             # After the first piece (wake a sleeping reader early) and after the last (the
-            # wakeup rule: look for a request after the final cursor store, see _ring).
+            # wakeup rule: look for a request after the final cursor store, see layout).
             if done in (k, n):
                 wait = self._tx_ctrl[C_WAIT]
                 if wait & WANT_DATA and wait >> 8 != self._kicked_d:
@@ -805,11 +805,11 @@ class Channel:
         self._check_open()
         hdr = self._rx_hdr
         peer_prod, peer_cons = hdr[W_PROD], hdr[W_CONS]
-        _, _, peer_pf, peer_csf = _ring.split_word(peer_cons)
+        _, _, peer_pf, peer_csf = layout.split_word(peer_cons)
         rx_w, rx_c = self._rx_wrap, self._rx_pos
         tx_w, tx_c = self._tx_wrap, self._tx_pos
-        pw, pc, _, _ = _ring.split_word(peer_prod)
-        cw, cc, _, _ = _ring.split_word(peer_cons)
+        pw, pc, _, _ = layout.split_word(peer_prod)
+        cw, cc, _, _ = layout.split_word(peer_cons)
         return {
             "rx_size": self._rx_size,
             "tx_size": self._tx_size,
@@ -887,7 +887,7 @@ class Channel:
                 self._drain(on_link)  # before looking: a kick after the look stays readable
                 if ready():
                     return True
-                nap = _ring.SAFETY_NET_S if fresh else _SLEEP_CAP_S
+                nap = layout.SAFETY_NET_S if fresh else _SLEEP_CAP_S
                 if deadline is not None:
                     nap = min(nap, deadline - time.monotonic())
                     if nap <= 0:
@@ -950,7 +950,7 @@ class Channel:
                 self._efd_sleeper = False
 
     def _arm(self, w: _Waiter, on_link: bool, fresh: bool = False) -> bool:
-        """Publish "kick me for ``w``'s condition on this descriptor" and fence (see ``_ring``:
+        """Publish "kick me for ``w``'s condition on this descriptor" and fence (see ``layout``:
         the Dekker race). True when a new request was published (the first nap is short)."""
         bits = w.want | WANT_LINK if on_link else w.want
         # Reuse the current generation only when no kick can have been seen for it: KICK is
@@ -960,7 +960,7 @@ class Channel:
         w.gen += 1
         w.armed = bits
         self._rx_ctrl[w.wait_idx] = w.gen << 8 | bits
-        _ring.fence()
+        layout.fence()
         return True
 
     def _disarm(self, w: _Waiter) -> None:

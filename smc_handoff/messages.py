@@ -46,7 +46,7 @@ at most :data:`MAX_TEXT` (1024) bytes. Reason names (``name16``) are ``str16`` r
 ``[A-Za-z0-9_]{1,64}``. Sizes (``dmb_size``, ``rx_size``, ``tx_size``) are the whole DMB in bytes
 (32-byte CDC header included): ``16 KiB << n`` with ``n`` in 0..6 (16 KiB .. 1 MiB, the SMC-D
 DMB sizes, Linux ``SMCD_DMBE_SIZES``); ``dmb_size`` 0 means "the daemon's choice". A DMB memfd is
-``size + 128`` bytes long: smcd's control trailer (wakeup words, ``smc_handoff._ring``) follows
+``size + 128`` bytes long: smcd's control trailer (wakeup words, ``smc_handoff.layout``) follows
 the DMB proper. Bodies have exactly the length their fields add up to; trailing bytes are an
 error. Enumerations: ``Mode`` 1 = smcd (SMC-D, loopback-ism), 2 = smcr (SMC-R); ``Role``
 1 = client, 2 = server; ``ErrorCode`` 1 MALFORMED, 2 OVERSIZED, 3 UNSUPPORTED_VERSION,
@@ -333,7 +333,7 @@ _DMB_SIZES = frozenset(_SMCD_MIN_DMB << n for n in range(7))
 
 
 def valid_dmb_size(size: int) -> bool:
-    """True for the SMC-D DMB sizes: 16 KiB << n, n = 0..6 (as ``_ring.DMB_SIZES``)."""
+    """True for the SMC-D DMB sizes: 16 KiB << n, n = 0..6 (as ``layout.DMB_SIZES``)."""
     return size in _DMB_SIZES
 
 

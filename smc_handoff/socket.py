@@ -191,7 +191,7 @@ def _load_channel() -> type[_Channel]:
     """Import the channel modules once (an import statement in the handoff would look them up
     again on every connection)."""
     global _channel_class, _ring_module
-    from smc_handoff import _ring
+    from smc_handoff import layout as _ring
     from smc_handoff.channel import Channel
 
     _ring_module, _channel_class = _ring, Channel

@@ -2,7 +2,7 @@
 
 A connection over loopback-ism has two DMBs (one per receiving side). Each is a memfd of one of the
 SMC-D size classes ``16 KiB << n`` (n = 0..6, at most ``buffers.max_dmb_size``) plus the channel's
-control trailer (:data:`smc_handoff._ring.CTRL_LEN`, 128 bytes of wakeup words that are not part of
+control trailer (:data:`smc_handoff.layout.CTRL_LEN`, 128 bytes of wakeup words that are not part of
 the DMB proper), laid out as ``[32-byte SMC-D CDC header | ring | control trailer]``. The daemon
 creates them, hands duplicates of the fd to the two applications, which map exactly these memfds,
 and stays out of the data path. So every rule below (reuse, zeroing, quotas) applies to the memory
@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from smc_handoff._ring import CTRL_LEN
+from smc_handoff.layout import CTRL_LEN
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire.reasons import DeclineReason
 

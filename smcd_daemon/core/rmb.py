@@ -6,7 +6,7 @@ connection it serves, so a buffer keeps its registrations (one per RoCE port/PD 
 for as long as it stays in the pool, like the kernel's per-link-group RMB lists
 (``smcr_new_buf_create`` / ``smc_buf_get_slot``) and the verbs MR cache.
 
-Layout: exactly the shared-channel layout of :mod:`smc_handoff._ring`, because the application's
+Layout: exactly the shared-channel layout of :mod:`smc_handoff.layout`, because the application's
 :class:`smc_handoff.channel.Channel` maps these buffers unchanged::
 
     0            32                          size         size + 128
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from smc_handoff._ring import CDC_HEADER_LEN, CTRL_LEN, DMB_SIZES, map_dmb
+from smc_handoff.layout import CDC_HEADER_LEN, CTRL_LEN, DMB_SIZES, map_dmb
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire.reasons import DeclineReason
 

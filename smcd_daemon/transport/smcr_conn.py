@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff._ring import (
+from smc_handoff.layout import (
     C_KICK,
     C_KICK_SPACE,
     C_WAIT,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from smc_handoff import _ring
+from smc_handoff import layout
 from smcd_daemon.config import Config
 from smcd_daemon.core.buffers import (
     CTRL_LEN,
@@ -67,7 +67,7 @@ def test_register_gives_a_sealed_memfd_of_the_class_size() -> None:
     try:
         assert dmb.size == 64 * KIB and dmb.size_comp == 2
         # the DMB and the channel's control trailer, exactly what smc_handoff maps
-        assert CTRL_LEN == _ring.CTRL_LEN == 128
+        assert CTRL_LEN == layout.CTRL_LEN == 128
         assert os.fstat(dmb.fd).st_size == dmb.file_size == 64 * KIB + CTRL_LEN
         assert dmb.ring_size == 64 * KIB - 32
         with pytest.raises(OSError) as info:
@@ -76,7 +76,7 @@ def test_register_gives_a_sealed_memfd_of_the_class_size() -> None:
         with pytest.raises(OSError):
             os.ftruncate(dmb.fd, 128 * KIB)  # F_SEAL_GROW
         # both ends map it read-write, as the channel does (header, ring and trailer)
-        with _ring.map_dmb(dmb.fd, dmb.size) as m:
+        with layout.map_dmb(dmb.fd, dmb.size) as m:
             m[:5] = b"hello"
             m[dmb.size + CTRL_LEN - 1] = 0x5A  # the last trailer byte
         assert _read(dmb.fd, 5) == b"hello"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from smc_handoff import _ring
+from smc_handoff import layout
 from smc_handoff.channel import Channel, make_pair, zero_dmb
 from smcd_daemon.wire.cdc import ConnStateFlag, ProducerFlag, SmcdCdcHeader
 from smcd_daemon.wire.cursor import Cursor
@@ -28,8 +28,8 @@ def pair(size_a: int = 16 << 10, size_b: int = 16 << 10) -> tuple[Channel, Chann
 def pair_with_dmbs(size: int = 16 << 10) -> tuple[Channel, Channel, mmap.mmap, mmap.mmap]:
     """A pair plus our own mappings of A's and B's RX DMBs, to look at the raw bytes."""
     fa, fb = make_pair(size, size)
-    dmb_a = mmap.mmap(fa.rx_dmb_fd, size + _ring.CTRL_LEN)
-    dmb_b = mmap.mmap(fb.rx_dmb_fd, size + _ring.CTRL_LEN)
+    dmb_a = mmap.mmap(fa.rx_dmb_fd, size + layout.CTRL_LEN)
+    dmb_b = mmap.mmap(fb.rx_dmb_fd, size + layout.CTRL_LEN)
     return Channel.from_fds(fa), Channel.from_fds(fb), dmb_a, dmb_b
 
 
@@ -54,12 +54,12 @@ def test_header_encoding_matches_the_wire_codec() -> None:
         prod = (rng.randrange(1 << 16), rng.randrange(1 << 32))
         cons = (rng.randrange(1 << 16), rng.randrange(1 << 32))
         pf, csf = rng.randrange(256), rng.randrange(256)
-        ours = _ring.encode_header(prod, cons, pf, csf)
+        ours = layout.encode_header(prod, cons, pf, csf)
         theirs = SmcdCdcHeader(
             Cursor(*prod), Cursor(*cons), ProducerFlag(pf), ConnStateFlag(csf)
         ).encode()
         assert ours == theirs
-        back = _ring.decode_header(ours)
+        back = layout.decode_header(ours)
         assert (back["prod_wrap"], back["prod_count"]) == prod
         assert (back["cons_wrap"], back["cons_count"]) == cons
         assert (back["prod_flags"], back["conn_state_flags"]) == (pf, csf)
@@ -105,14 +105,14 @@ def test_write_blocked_flag_is_published() -> None:
 def test_dmb_sizes_are_smcd_sizes() -> None:
     for bad in (0, 1000, 16383, 3 << 14, 2 << 20):
         with pytest.raises(ValueError):
-            _ring.create_dmb(bad)
-    fd = _ring.create_dmb(16 << 10)
+            layout.create_dmb(bad)
+    fd = layout.create_dmb(16 << 10)
     try:
-        assert os.fstat(fd).st_size == (16 << 10) + _ring.CTRL_LEN
+        assert os.fstat(fd).st_size == (16 << 10) + layout.CTRL_LEN
         os.pwrite(fd, b"dirty", 100)
         zero_dmb(fd, 16 << 10)
         assert os.pread(fd, 200, 0) == bytes(200)
-        assert os.fstat(fd).st_size == (16 << 10) + _ring.CTRL_LEN
+        assert os.fstat(fd).st_size == (16 << 10) + layout.CTRL_LEN
     finally:
         os.close(fd)
 
@@ -236,7 +236,7 @@ def test_abort_and_use_after_close() -> None:
 def test_hostile_producer_cursor_is_a_reset() -> None:
     """A peer claiming more data than the ring holds is treated as an abort, not trusted."""
     a, b, _dmb_a, dmb_b = pair_with_dmbs()
-    bogus = _ring.encode_header((0, 20_000), (0, 0))  # count beyond the 16,352-byte ring
+    bogus = layout.encode_header((0, 20_000), (0, 0))  # count beyond the 16,352-byte ring
     dmb_b[8:16] = bogus[8:16]
     with pytest.raises(ConnectionResetError, match="bytes"):
         b.recv_into(bytearray(100))

@@ -121,7 +121,7 @@ def test_integrity_1gib_odd_writes(dmb: int) -> None:
     assert got["stats"]["rx_cons"] == [laps & 0xFFFF, GiB % ring]
     assert sent["writes"] > 10_000
     # The publisher side has no barrier: a lost wakeup is possible in a nanosecond window and
-    # then costs 1 ms (see smc_handoff._ring); it must stay exceedingly rare.
+    # then costs 1 ms (see smc_handoff.layout); it must stay exceedingly rare.
     for end in (sent, got):
         assert end["stats"]["missed_wakeups"] <= max(2, end["stats"]["sleeps"] // 1000)
 

@@ -143,10 +143,10 @@ def test_constructors_validate() -> None:
     with pytest.raises(ValueError):
         m.Ok(-1)
     assert m.valid_dmb_size(16384 << 6) and not m.valid_dmb_size(16384 << 7)
-    from smc_handoff import _ring
+    from smc_handoff import layout
 
     sizes = [16384 << n for n in range(12)] + [16384 * 3, 65536 + 32]
-    assert [s for s in sizes if m.valid_dmb_size(s)] == list(_ring.DMB_SIZES)
+    assert [s for s in sizes if m.valid_dmb_size(s)] == list(layout.DMB_SIZES)
     assert not m.valid_dmb_size(0) and not m.valid_dmb_size(16384 * 3)
     long = m.daemon_unavailable("é" * 2000)
     assert long.code == m.FALLBACK_DAEMON_UNAVAILABLE and len(long.explanation.encode()) <= 1024
