@@ -1,5 +1,7 @@
-"""Shared-memory layout of one SMC-D DMB as smcd maps it, and the few memory-ordering tools the
-channel needs (standard library only).
+"""The shared channel layout: one SMC-D DMB (or SMC-R RMB/send buffer) as smcd and the
+application both map it, and the few memory-ordering tools the channel needs. The one definition
+of this layout: the daemon's buffer pools and SMC-R relay import it, and so does the channel
+(standard library only, so the client library stays free of the daemon).
 
 A DMB is a memfd of ``size`` bytes (the SMC-D compressed sizes, 16 KiB << n, n = 0..6) followed
 by a small control trailer that is not part of the DMB proper::
@@ -49,14 +51,14 @@ A sleeper does ``store WAIT; load cursor`` and a publisher ``store cursor; load 
 each load pass the store before it (store buffer), so both could miss the other: the sleeper
 sleeps on data the publisher never announced. The sleeper's side is closed with a full barrier
 (:func:`fence`: a lock-prefixed atomic, here the uncontended acquire/release of a
-``threading.Lock``, ~0.1 µs, no syscall). The publisher's hot path stays barrier-free, so its
+``threading.Lock``: no system call). The publisher's hot path stays barrier-free, so its
 cursor store may still sit in its store buffer while its load of WAIT sees "not waiting"; a
 store buffer drains within nanoseconds, so the sleeper's first nap after publishing a new WAIT
 is only ``SAFETY_NET_S`` (1 ms): a lost wakeup costs at most that, and the channel counts such
 catches (``missed_wakeups`` in its stats). Later naps of the same wait are long (nothing new can
 race). ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would close the window completely, but it
-IPIs the peer's CPU on every sleep, which costs milliseconds on an overcommitted VM; measured,
-it made latency worse, so it is not used.
+IPIs the peer's CPU on every sleep, which is slow on an overcommitted VM and made latency worse,
+so it is not used.
 """
 
 from __future__ import annotations
@@ -70,15 +72,33 @@ import threading
 __all__ = [
     "CDC_HEADER_LEN",
     "CDC_MSG_TYPE",
+    "COUNT_SHIFT",
+    "CSFLAGS_SHIFT",
     "CTRL_LEN",
+    "C_KICK",
+    "C_KICK_SPACE",
+    "C_WAIT",
+    "C_WAIT_SPACE",
     "DMB_SIZES",
     "ORDERING_OK",
+    "PFLAGS_SHIFT",
     "SAFETY_NET_S",
+    "SMCD_DMBE_SIZES",
+    "SMC_BUF_MIN",
+    "TYPE_WORD",
+    "WRAP_SHIFT",
+    "W_CONS",
+    "W_PROD",
+    "W_TYPE",
+    "check_dmb_size",
+    "cons_word",
     "create_dmb",
     "decode_header",
     "encode_header",
     "fence",
     "map_dmb",
+    "prod_word",
+    "split_word",
     "zero_dmb",
 ]
 
@@ -86,8 +106,12 @@ CDC_MSG_TYPE = 0xFE
 CDC_HEADER_LEN = 32
 #: Control trailer after the DMB: WAIT words at +0/+8, KICK words at +64/+72 (two cache lines).
 CTRL_LEN = 128
-#: SMC-D compressed DMB sizes (``smc_compress_bufsize``: 16 KiB << n, n <= 6 for SMC-D).
-DMB_SIZES = tuple(16384 << n for n in range(7))
+#: Smallest buffer, size class 0 (the kernel's ``SMC_BUF_MIN``).
+SMC_BUF_MIN = 16384
+#: Largest SMC-D size class (the kernel's ``SMCD_DMBE_SIZES``): 16 KiB << 6 = 1 MiB.
+SMCD_DMBE_SIZES = 6
+#: The channel sizes, SMC-D's compressed DMB sizes (``smc_compress_bufsize``: 16 KiB << n).
+DMB_SIZES = tuple(SMC_BUF_MIN << n for n in range(SMCD_DMBE_SIZES + 1))
 
 # Word indexes in the header viewed as 4 x u64, and in the trailer viewed as 16 x u64.
 W_TYPE, W_PROD, W_CONS = 0, 1, 2
@@ -149,10 +173,9 @@ def map_dmb(fd: int, size: int) -> mmap.mmap:
 
     Pages are faulted in on first touch, not populated up front (``MAP_POPULATE``): the pool
     hands DMBs out as holes, so populating allocates and zeroes every page of the ring at
-    connect time (measured here: ~33 µs more per 64 KiB DMB, ~510 µs per 1 MiB one, and each
-    connection maps four), while a short connection touches two or three pages. A transfer
-    that fills the ring pays the same faults once, spread over its first pass (measured: no
-    slower in all than populating)."""
+    connect time (and each connection maps four), while a short connection touches two or
+    three pages. A transfer that fills the ring pays the same faults once, spread over its
+    first pass, so it is no slower in all than populating."""
     check_dmb_size(size)
     return mmap.mmap(fd, size + CTRL_LEN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 

@@ -40,10 +40,10 @@ Why each rule is what it is:
   up, and the library unmaps a channel before it closes that connection, so a reused buffer is
   mapped by nobody from its previous connection (a process that died had its mappings removed by
   the kernel before its descriptors were closed). Zeroing punches a hole over the whole file
-  (``fallocate(PUNCH_HOLE|KEEP_SIZE)``): it frees the pages instead of writing them (measured
-  here for a fully written 1 MiB memfd: ~150 µs, against ~210 µs for a ``pwrite`` of zeros, and
-  the memory goes back to the system while the buffer waits in the pool); the next writer faults
-  fresh zero pages in. ``ftruncate`` to 0 and back would do the same but the seals forbid it.
+  (``fallocate(PUNCH_HOLE|KEEP_SIZE)``): it frees the pages instead of writing them (faster than a
+  ``pwrite`` of zeros, and the memory goes back to the system while the buffer waits in the
+  pool); the next writer faults fresh zero pages in. ``ftruncate`` to 0 and back would do the
+  same but the seals forbid it.
 * **Limits.** Per user (``quota.buffer_bytes``, ``quota.connections`` counted as DMBs owned, 0 = no
   limit) and for the whole pool (``buffers.pool_max_bytes`` over all memfds including cached free
   ones, ``buffers.pool_max_buffers`` over DMBs in use, the analogue of loopback-ism's 5000).
@@ -66,8 +66,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from smc_handoff.layout import CTRL_LEN
+from smc_handoff.layout import CTRL_LEN, SMC_BUF_MIN, SMCD_DMBE_SIZES
 from smcd_daemon.errors import SmcError
+from smcd_daemon.wire.cdc import SMCD_CDC_HEADER_LEN
 from smcd_daemon.wire.reasons import DeclineReason
 
 __all__ = [
@@ -86,12 +87,6 @@ __all__ = [
     "compress_size",
     "decompress",
 ]
-
-SMC_BUF_MIN = 16 * 1024
-"""Smallest buffer (``SMC_BUF_MIN``): compressed size 0."""
-SMCD_DMBE_SIZES = 6
-"""Largest compressed SMC-D DMB size (``SMCD_DMBE_SIZES``): 16 KiB << 6 = 1 MiB."""
-SMCD_CDC_HEADER_LEN = 32
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02

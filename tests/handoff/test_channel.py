@@ -8,12 +8,15 @@ import os
 import random
 import select
 import socket
+import sys
 import time
 
 import pytest
 
 from smc_handoff import layout
 from smc_handoff.channel import Channel, make_pair, zero_dmb
+from smcd_daemon.core.buffers import decompress
+from smcd_daemon.wire import cdc
 from smcd_daemon.wire.cdc import ConnStateFlag, ProducerFlag, SmcdCdcHeader
 from smcd_daemon.wire.cursor import Cursor
 
@@ -47,8 +50,25 @@ def drain(ch: Channel, limit: int = 1 << 24) -> bytes:
 # ----------------------------------------------------------------------------- layout
 
 
+def test_layout_constants_match_the_wire_codec() -> None:
+    """smc_handoff keeps its own copy of the header's size and type (it imports nothing from the
+    daemon); they must be the wire module's, and the size classes the daemon's pool sizes."""
+    assert layout.CDC_HEADER_LEN == cdc.SMCD_CDC_HEADER_LEN == SmcdCdcHeader.SIZE == 32
+    assert layout.CDC_MSG_TYPE == cdc.CDC_MSG_TYPE
+    assert (
+        layout.TYPE_WORD.to_bytes(8, sys.byteorder)
+        == SmcdCdcHeader(Cursor(0, 0), Cursor(0, 0)).encode()[:8]
+    )
+    assert (
+        layout.encode_header((0, 0), (0, 0)) == SmcdCdcHeader(Cursor(0, 0), Cursor(0, 0)).encode()
+    )
+    assert tuple(decompress(c) for c in range(layout.SMCD_DMBE_SIZES + 1)) == layout.DMB_SIZES
+    assert layout.DMB_SIZES[0] == layout.SMC_BUF_MIN and layout.DMB_SIZES[-1] == 1 << 20
+
+
 def test_header_encoding_matches_the_wire_codec() -> None:
-    """Our 8-byte cursor words produce exactly the bytes of smcd_daemon's SmcdCdcHeader."""
+    """Our 8-byte cursor words produce exactly the bytes of smcd_daemon's SmcdCdcHeader, and
+    each side decodes the other's bytes."""
     rng = random.Random(4)
     for _ in range(2000):
         prod = (rng.randrange(1 << 16), rng.randrange(1 << 32))
@@ -63,6 +83,10 @@ def test_header_encoding_matches_the_wire_codec() -> None:
         assert (back["prod_wrap"], back["prod_count"]) == prod
         assert (back["cons_wrap"], back["cons_count"]) == cons
         assert (back["prod_flags"], back["conn_state_flags"]) == (pf, csf)
+        assert back["type"] == cdc.CDC_MSG_TYPE
+        wire = SmcdCdcHeader.decode(ours)
+        assert (wire.prod, wire.cons) == (Cursor(*prod), Cursor(*cons))
+        assert (int(wire.prod_flags), int(wire.conn_state_flags)) == (pf, csf)
 
 
 def test_live_dmb_header_decodes_with_the_wire_codec() -> None:
