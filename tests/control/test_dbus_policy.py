@@ -6,8 +6,11 @@ before smcd even sees the call."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable
+
+import pytest
 
 from smcd_daemon.adapters.dbus import ERROR_ACCESS_DENIED
 from tests.control.dbusd import (
@@ -123,3 +126,47 @@ def test_unprivileged_denied_by_policy_root_allowed(system_bus: DbusDaemon) -> N
         assert h.changes == ["pnet", "ueid"]
 
     scenario(system_bus, body)
+
+
+def test_no_reply_mutation_from_another_uid_is_refused_without_traceback(
+    session_bus: DbusDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mutating call flagged NO_REPLY_EXPECTED (``busctl --expect-reply=no``) from another uid
+    on a bus without policy: smcd refuses it and logs one line per kind (at most ten a minute),
+    never dbus-fast's ERROR traceback (#14)."""
+    caplog.set_level(logging.DEBUG)
+    flood = 40
+
+    async def body(h: Harness) -> None:
+        a = h.address
+        sends = [
+            as_nobody(
+                busctl(a, "--expect-reply=no", "call", "org.smcd", "/org/smcd", MANAGER, *call)
+            )
+            for call in [
+                ("PnetAdd", "sssy", "NET1", "lo", "", "0"),
+                ("UeidAdd", "s", "SMC1"),
+                ("StatsReset",),
+                ("SeidDisable",),
+                ("PnetFlush",),
+            ]
+        ]
+        for i in range(flood):
+            out = await run(sends[i % len(sends)])
+            assert out.returncode == 0, out  # sent; no reply was asked for
+        # A root call through the same bus, answered after every call before it was handled
+        # (the bus answers smcd's uid queries in order), then a moment for the done callbacks.
+        out = await run(gdbus_call(a, f"{MANAGER}.PnetAdd", "'NET2'", "'lo'", "''", "0"))
+        assert out.returncode == 0, out
+        await asyncio.sleep(0.3)
+        assert [e.pnetid for e in h.pnet.entries()] == ["NET2"]
+        assert h.eids.ueids == () and h.changes == ["pnet"]
+
+    scenario(session_bus, body)
+    tracebacks = [r for r in caplog.records if r.exc_info is not None or r.levelno >= logging.ERROR]
+    assert tracebacks == [], [(r.name, r.getMessage()) for r in tracebacks]
+    refusals = [r.getMessage() for r in caplog.records if "expected no reply" in r.getMessage()]
+    assert refusals, "the refusals were not logged at all"
+    assert len(refusals) <= 11, refusals  # one burst (10) plus at most one summary line
+    # AccessDenied, also when the caller left before smcd could ask the bus for its uid
+    assert all(ERROR_ACCESS_DENIED in r and "changes smcd's state" in r for r in refusals[:-1])

@@ -10,6 +10,10 @@ Two things dbus-fast does not do the way smcd needs:
   A burst of signals (hundreds of connections coming and going) fills the socket buffer while
   the bus daemon is busy, and smcd would vanish from the bus. :class:`_PatientSocket` turns that
   into "nothing sent yet": the writer keeps its place and waits for the socket to drain.
+- It logs the error of a method call flagged NO_REPLY_EXPECTED as "unexpected exception in
+  future" at ERROR with a traceback, also when the error is the method's answer (another uid's
+  mutation refused). Anybody on the bus could fill the log that way; :class:`SmcdMessageBus`
+  logs such an answer as one line, rate-limited, and keeps the traceback for real failures.
 - Method handlers are not told who called. smcd must re-check the caller of every mutating method
   (a session or private bus has no policy file to do it), so a message filter records the sender
   of each method call in a :class:`contextvars.ContextVar`; dbus-fast starts the handler task
@@ -18,15 +22,18 @@ Two things dbus-fast does not do the way smcd needs:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any, cast
 
-from dbus_fast import BusType, Message, MessageType
+from dbus_fast import BusType, DBusError, Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface
 
+from smcd_daemon.adapters.ratelimit import RateLimitedLog
 from smcd_daemon.errors import SmcError
 
 from .names import OBJECT_MANAGER_INTERFACE, ROOT_PATH
@@ -39,6 +46,10 @@ __all__ = [
     "current_caller",
     "track_callers",
 ]
+
+log = logging.getLogger(__name__)
+_unanswered = RateLimitedLog(log, burst=10, period=60.0)
+"""Errors of calls that expected no reply: whoever sends them decides how many there are."""
 
 _caller: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "smcd_dbus_caller", default=None
@@ -81,6 +92,22 @@ class SmcdMessageBus(MessageBus):
         if writer is not None and isinstance(sock, socket.socket):
             writer.sock = cast(socket.socket, _PatientSocket(sock))
         return self
+
+    def _future_exception_no_reply(self, fut: asyncio.Future[Any]) -> None:
+        """A no-reply call's method finished: an error it raised as its answer (DBusError:
+        refused, invalid) is one rate-limited line; anything else goes to dbus-fast, which
+        logs it with its traceback (a bug of ours)."""
+        error = None if fut.cancelled() else fut.exception()
+        if not isinstance(error, DBusError):
+            super()._future_exception_no_reply(fut)
+            return
+        self._pending_futures.discard(fut)
+        _unanswered.info(
+            f"no-reply {error.type}",
+            "a method call that expected no reply failed: %s: %s",
+            error.type,
+            error.text,
+        )
 
     def _manager_for(self, path: str) -> str | None:
         root = self.object_manager_path
