@@ -397,12 +397,16 @@ class BuffersConfig(_Section):
 
 
 class QuotaConfig(_Section):
-    """Per-user limits (the uid comes from SO_PEERCRED on the handoff socket); 0 = no limit."""
+    """Per-user limits (the uid comes from SO_PEERCRED on the handoff socket); 0 = no limit.
+
+    The defaults fit 1,024 connections of one user between its own processes at the default
+    buffer size: each connection holds two DMBs (one per half) of 64 KiB, so 2,048 DMBs and
+    128 MiB; that is half of ``buffers.pool_max_bytes``, so no single user can take the pool."""
 
     buffer_bytes: Size = _doc(
-        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=64 << 20, ge=0
+        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=128 << 20, ge=0
     )
-    connections: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=1024, ge=0)
+    connections: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=2048, ge=0)
 
 
 class TimeoutsConfig(_Section):

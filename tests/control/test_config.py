@@ -22,6 +22,7 @@ from smcd_daemon.config import (
     load_config,
     parse_config,
 )
+from smcd_daemon.core.buffers import DmbLimitError, DmbPool
 from smcd_daemon.errors import SmcError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -314,6 +315,28 @@ def test_toml_syntax_error_and_missing_file(tmp_path: Path) -> None:
     )
 
 
+def test_default_quota_fits_a_thousand_connections_of_one_user() -> None:
+    """#14: 1,000 concurrent connections between processes of one user, at the default buffer
+    size (two DMBs each, one per half), fit the default per-user quota in a real pool of
+    memfds; the quota still stops that user below the whole pool."""
+    cfg = load_config(None, env=NO_SESSION)
+    pool = DmbPool.from_config(cfg)
+    uid = 1000
+    size = cfg.buffers.default_size
+    try:
+        dmbs = [pool.register(uid, size) for _ in range(2 * 1000)]
+        assert {d.size for d in dmbs} == {size}
+        with pytest.raises(DmbLimitError) as ei:
+            while True:
+                dmbs.append(pool.register(uid, size, min_size=size))
+        assert ei.value.limit.startswith("user-"), ei.value
+        assert len(dmbs) * size <= cfg.buffers.pool_max_bytes // 2
+        other = pool.register(uid + 1, size)  # another user still gets a full-size buffer
+        assert other.size == size
+    finally:
+        pool.close()
+
+
 def test_empty_file_is_the_embedded_default(tmp_path: Path) -> None:
     assert _load_text(tmp_path, "") == load_config(None, env=NO_SESSION)
 
@@ -327,7 +350,7 @@ def test_reload_plan_splits_runtime_and_restart_keys(tmp_path: Path) -> None:
         tmp_path,
         SHIPPED.read_text()
         .replace('log_level = "info"', 'log_level = "debug"')
-        .replace("connections = 1024", "connections = 10")
+        .replace("connections = 2048", "connections = 10")
         .replace('"/run/smcd/handoff.sock"', '"/run/smcd/other.sock"')
         .replace('max_rmb_size = "512K"', 'max_rmb_size = "1M"'),
     )
