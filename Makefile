@@ -58,3 +58,86 @@ bench-rdma: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# -- install: smcd as a system service (README "Install") -----------------------------------------
+# `make install` (as root) puts a venv with smcd and its PyPI dependencies in $(PREFIX)/lib/smcd
+# (--system-site-packages: pyverbs and systemd-python come from Debian), links smcd, smcctl and
+# smc-run into $(BINDIR), and installs the units, the D-Bus policy and activation file and
+# /etc/smcd/smcd.toml (kept when it exists). The packages come from a wheelhouse built first
+# ($(WHEELHOUSE), the only step that needs PyPI), so a machine that has one installs offline.
+# DESTDIR stages everything under a directory (paths inside the files stay the real ones).
+PREFIX ?= /usr
+BINDIR ?= $(PREFIX)/bin
+SMCD_LIBDIR = $(PREFIX)/lib/smcd
+SYSCONFDIR ?= /etc
+SYSTEMD_UNIT_DIR ?= /usr/lib/systemd/system
+DBUS_DATA_DIR ?= /usr/share/dbus-1
+WHEELHOUSE ?= .cache/wheels
+WHEEL_BUILD_VENV := .cache/wheel-build
+PKG_SOURCES := pyproject.toml $(shell find smcd_daemon smc_handoff -name '*.py' 2>/dev/null)
+INSTALL_BINS := smcd smcctl smc-run
+# Only a real install on a running systemd tells systemd and dbus-daemon to look again.
+LIVE_SYSTEMD = test -z "$(DESTDIR)" && test -d /run/systemd/system
+
+.PHONY: wheels install uninstall
+
+wheels: $(WHEELHOUSE)/.complete
+
+$(WHEELHOUSE)/.complete: $(PKG_SOURCES)
+	@rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	@test -x $(WHEEL_BUILD_VENV)/bin/pip || $(PY) -m venv $(WHEEL_BUILD_VENV)
+	$(WHEEL_BUILD_VENV)/bin/pip wheel -q --disable-pip-version-check --wheel-dir $(WHEELHOUSE) .
+	@touch $@
+
+install: wheels
+	@umask 022; set -e; \
+	lib='$(DESTDIR)$(SMCD_LIBDIR)'; \
+	$(PY) -m venv --clear --system-site-packages "$$lib"; \
+	"$$lib/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+		--no-index --find-links '$(WHEELHOUSE)' smcd; \
+	if [ -n '$(DESTDIR)' ]; then \
+		grep -rlI --null -F "$$lib" "$$lib/bin" "$$lib/pyvenv.cfg" | \
+			xargs -0 -r sed -i "s|$$lib|$(SMCD_LIBDIR)|g"; \
+	fi; \
+	install -d '$(DESTDIR)$(BINDIR)'; \
+	for b in $(INSTALL_BINS); do ln -sfn '$(SMCD_LIBDIR)'/bin/$$b '$(DESTDIR)$(BINDIR)'/$$b; done; \
+	install -d '$(DESTDIR)$(SYSTEMD_UNIT_DIR)'; \
+	sed 's|/usr/bin/smcd|$(BINDIR)/smcd|' units/smcd.service \
+		> '$(DESTDIR)$(SYSTEMD_UNIT_DIR)/smcd.service'; \
+	install -m 0644 units/smcd.socket '$(DESTDIR)$(SYSTEMD_UNIT_DIR)/smcd.socket'; \
+	install -D -m 0644 config/dbus-1/system.d/org.smcd.conf \
+		'$(DESTDIR)$(DBUS_DATA_DIR)/system.d/org.smcd.conf'; \
+	install -D -m 0644 config/dbus-1/system-services/org.smcd.service \
+		'$(DESTDIR)$(DBUS_DATA_DIR)/system-services/org.smcd.service'; \
+	install -d '$(DESTDIR)$(SYSCONFDIR)/smcd'; \
+	if [ -e '$(DESTDIR)$(SYSCONFDIR)/smcd/smcd.toml' ]; then \
+		echo "keeping $(DESTDIR)$(SYSCONFDIR)/smcd/smcd.toml"; \
+	else \
+		install -m 0644 config/smcd.toml '$(DESTDIR)$(SYSCONFDIR)/smcd/smcd.toml'; \
+	fi; \
+	if $(LIVE_SYSTEMD); then \
+		systemctl daemon-reload; \
+		systemctl reload dbus.service 2>/dev/null || true; \
+	fi; \
+	echo "installed smcd in $(DESTDIR)$(SMCD_LIBDIR); start it: systemctl enable --now smcd.socket"
+
+uninstall:
+	@set -e; \
+	if $(LIVE_SYSTEMD); then \
+		systemctl disable --now smcd.socket smcd.service 2>/dev/null || true; \
+	fi; \
+	rm -rf '$(DESTDIR)$(SMCD_LIBDIR)'; \
+	for b in $(INSTALL_BINS); do rm -f '$(DESTDIR)$(BINDIR)'/$$b; done; \
+	rm -f '$(DESTDIR)$(SYSTEMD_UNIT_DIR)/smcd.service' '$(DESTDIR)$(SYSTEMD_UNIT_DIR)/smcd.socket' \
+		'$(DESTDIR)$(DBUS_DATA_DIR)/system.d/org.smcd.conf' \
+		'$(DESTDIR)$(DBUS_DATA_DIR)/system-services/org.smcd.service'; \
+	conf='$(DESTDIR)$(SYSCONFDIR)/smcd/smcd.toml'; \
+	if [ -e "$$conf" ] && ! cmp -s "$$conf" config/smcd.toml; then \
+		echo "keeping $$conf (changed from the default; delete it by hand)"; \
+	else \
+		rm -f "$$conf"; rmdir '$(DESTDIR)$(SYSCONFDIR)/smcd' 2>/dev/null || true; \
+	fi; \
+	if $(LIVE_SYSTEMD); then \
+		systemctl daemon-reload; \
+		systemctl reload dbus.service 2>/dev/null || true; \
+	fi

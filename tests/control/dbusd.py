@@ -4,7 +4,7 @@
   connect, so a test can also call in as an unprivileged user and hit smcd's own uid check.
 - ``system``: the default-deny rules of the distribution's ``system.conf`` (no name ownership, no
   method calls unless a policy file punches a hole) plus ``<include>`` of our policy file
-  ``config/dbus-1/org.smcd.conf`` — the very file a package installs.
+  ``config/dbus-1/system.d/org.smcd.conf`` — the very file a package installs.
 
 The socket lives in a fresh directory under /tmp with mode 0755 (pytest's tmp_path is 0700), so
 a client running as ``nobody`` can reach it. The daemon is killed and the directory removed on
@@ -40,7 +40,7 @@ from smcd_daemon.core.pnet import PnetTable
 from smcd_daemon.core.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
-POLICY_FILE = REPO / "config" / "dbus-1" / "org.smcd.conf"
+POLICY_FILE = REPO / "config" / "dbus-1" / "system.d" / "org.smcd.conf"
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534

@@ -30,6 +30,7 @@ from smcd_daemon.config import SYSTEM_PATHS, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "units"
+DBUS_ACTIVATION = ROOT / "config" / "dbus-1" / "system-services" / "org.smcd.service"
 PY = sys.executable
 
 
@@ -52,7 +53,7 @@ def _child_env(**extra: str) -> dict[str, str]:
 def _unit(name: str) -> configparser.RawConfigParser:
     p = configparser.RawConfigParser(strict=False, interpolation=None)
     p.optionxform = str  # type: ignore[assignment,method-assign]
-    p.read(UNITS / name)
+    p.read(UNITS / name if "/" not in name else ROOT / name)
     return p
 
 
@@ -159,10 +160,10 @@ def test_capabilities_and_families_are_justified_in_comments() -> None:
 
 @pytest.fixture
 def dbus_daemon(tmp_path: Path) -> Iterator[str]:
-    """A session-type dbus-daemon whose service directory holds units/org.smcd.service."""
+    """A session-type dbus-daemon whose service directory holds our D-Bus activation file."""
     services = tmp_path / "services"
     services.mkdir()
-    shutil.copy(UNITS / "org.smcd.service", services / "org.smcd.service")
+    shutil.copy(DBUS_ACTIVATION, services / "org.smcd.service")
     sock = tmp_path / "bus"
     conf = tmp_path / "bus.conf"
     conf.write_text(
@@ -217,7 +218,7 @@ def test_dbus_activation_file_is_read_by_dbus_daemon(dbus_daemon: str) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "org.smcd" in json.loads(r.stdout)["data"][0]
-    act = _unit("org.smcd.service")["D-BUS Service"]
+    act = _unit("config/dbus-1/system-services/org.smcd.service")["D-BUS Service"]
     # dbus-daemon asks systemd for SystemdService=, which smcd.service provides as an alias.
     install = _unit("smcd.service")["Install"]
     assert act["SystemdService"] in install["Alias"].split()
