@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all deps venv demo test test-rdma lint typecheck pytest bench clean
+.PHONY: all deps venv demo test test-rdma lint typecheck pytest bench clean fuzz soak
 
 all: test
 
@@ -42,6 +42,18 @@ demo: venv
 
 bench: venv
 	$(VPY) bench/run.py
+
+# A million hostile inputs through every decoder and a live daemon's handoff socket (make test
+# runs 100,000): make fuzz FUZZ_COUNT=N.
+FUZZ_COUNT ?= 1000000
+fuzz: venv
+	$(VPY) -m tests.fuzz.fuzz --count $(FUZZ_COUNT)
+
+# The chaos test (#14) for SOAK_MINUTES: daemon killed, frozen, another uid flooding; a short
+# version runs in make test (tests/soak/test_soak_short.py).
+SOAK_MINUTES ?= 3
+soak: venv
+	$(VPY) -m tests.soak.soak --minutes $(SOAK_MINUTES)
 
 # smcd SMC-R vs TCP inside the Soft-RoCE VM (bench/smcr_vm.py through the guest test
 # test_smcr_bench, full volumes): one VM boot, then the table the guest wrote.
