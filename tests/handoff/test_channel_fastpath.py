@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from smc_handoff import channel as channel_mod
+from smc_handoff import wakeup
 from smc_handoff.channel import Channel, make_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,10 +163,10 @@ def test_spin_readable_sees_data_and_eof_and_gives_up_in_bounded_time() -> None:
     a.send_into(b"x")
     # A loaded machine may have switched spinning off for a while (the contention back-off,
     # process-wide): this test is about what the spin sees, so forget that.
-    channel_mod._contended[0] = 0
+    wakeup.spin_backoff[0] = 0
     assert b.spin_readable() and b.recv_fast(bytearray(1)) == 1
     a.shutdown_write()
-    channel_mod._contended[0] = 0
+    wakeup.spin_backoff[0] = 0
     assert b.spin_readable() and b.recv_into(bytearray(1)) == 0 and b.eof
     a.close()
     b.close()

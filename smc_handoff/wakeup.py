@@ -1,0 +1,217 @@
+"""Wakeup primitives of the shared-memory channel (standard library only): the "kick me" bits
+of the control trailer, one direction's wait state, the adaptive spin, and the per-process thread
+that turns a peer link's hang-up into a kick for level-mode channels.
+
+The protocol that uses them (arm, fence, look again, sleep; kick only a new generation) is
+described in :mod:`smc_handoff.channel` and its memory-ordering argument in
+:mod:`smc_handoff.layout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = [
+    "SPIN_BACKOFF_MAX_NS",
+    "SPIN_BACKOFF_MIN_NS",
+    "SPIN_CONTENDED_NS",
+    "SPIN_MAX_NS",
+    "SPIN_MIN_NS",
+    "SPIN_START_NS",
+    "SPIN_SWITCHED_NS",
+    "SPIN_YIELD_NS",
+    "WANT_DATA",
+    "WANT_LINK",
+    "WANT_SPACE",
+    "LinkWatcher",
+    "Waiter",
+    "link_watcher",
+    "spin",
+    "spin_backoff",
+]
+
+# "Kick me" bits in the WAIT word of the control trailer.
+WANT_DATA = 0x1  # data, EOF or abort in my RX DMB (in the WAIT word)
+WANT_SPACE = 0x2  # the peer consumed from my TX ring (in the WAIT_SPACE word)
+WANT_LINK = 0x4  # kick me through the peer link, not the eventfd (see ChannelBase._kick)
+
+#: Adaptive spin budget (nanoseconds): grows while spinning pays off, halves when it did not.
+SPIN_MAX_NS = 200_000
+SPIN_MIN_NS = 2_000
+SPIN_START_NS = 50_000
+#: While spinning, yield the CPU this often: a peer queued on our CPU then runs at once.
+SPIN_YIELD_NS = 3_000
+#: A yield that kept us off the CPU this long ran another task here; when the data came with it,
+#: the peer shares our CPU (a loaded machine): yield at once from then on, as spinning there
+#: only delays the peer, until a wait succeeds without such a yield.
+SPIN_SWITCHED_NS = 2_000
+#: A yield that kept us off the CPU this long means another task competes for it: then waits
+#: sleep at once (a sleeper's wakeup preempts a CPU hog; a spinner's yield may hand it a whole
+#: time slice) for a back-off that doubles while the contention lasts.
+SPIN_CONTENDED_NS = 60_000
+SPIN_BACKOFF_MIN_NS = 20_000_000
+SPIN_BACKOFF_MAX_NS = 1_000_000_000
+
+
+class Waiter:
+    """The wait state of one direction of one end: which WAIT/KICK words of the trailer it
+    uses, its request generation and bits, and its adaptive spin budget. One thread at a time
+    waits in each direction."""
+
+    __slots__ = ("armed", "gen", "kick_idx", "spin_ns", "wait_idx", "want", "yield_ns")
+
+    def __init__(self, want: int, wait_idx: int, kick_idx: int) -> None:
+        self.want = want
+        self.wait_idx = wait_idx
+        self.kick_idx = kick_idx
+        self.gen = 0
+        self.armed = 0
+        self.spin_ns = SPIN_START_NS
+        self.yield_ns = SPIN_YIELD_NS
+
+
+# Spinning is given up for a while, process-wide, once a yield showed that this CPU is wanted
+# by another task: [monotonic ns until which waits sleep at once, current back-off ns].
+spin_backoff = [0, SPIN_BACKOFF_MIN_NS]
+
+
+def spin(
+    w: Waiter,
+    ready: Callable[[], bool],
+    timeout: float | None,
+    hdr: memoryview,
+    idx: int,
+    old: int,
+) -> bool:
+    """Wait for ``ready()`` without sleeping, for at most ``w.spin_ns``. True when it came.
+    Between two calls of ``ready()`` (and of the clock) it loads ``hdr[idx]`` eight times and
+    compares it with ``old``, the value meaning "nothing yet": the peer's store is seen within
+    a fraction of a microsecond, where each ``ready()`` call alone costs several tenths. A
+    change of that word returns True at once, unconfirmed: the caller's next data call looks.
+
+    Why a spin at all: a ping-pong between two processes on two CPUs turns around in a few
+    microseconds, far less than a sleep and a wakeup cost. Why it cannot starve anyone: every
+    :data:`SPIN_YIELD_NS` it calls ``sched_yield``, so a peer (or anything else) queued on
+    this CPU runs at once instead of after our time slice. And when a yield kept us off the CPU
+    for longer than :data:`SPIN_CONTENDED_NS` with nothing to show for it, a third task wants
+    this CPU: a spinner would then keep handing it whole time slices, where a sleeper's wakeup
+    preempts it, so all waits sleep at once for a back-off (doubling while the contention
+    lasts, up to a second) — with a CPU hog around, the channel then behaves as the sleeping
+    design it falls back to. The budget adapts as busy-poll does: it grows while spinning
+    pays off and halves when it did not. And when the peer shares our CPU (the data came
+    right after a yield that ran another task, see :data:`SPIN_SWITCHED_NS`), later spins
+    yield at once: the round trip then costs two context switches, not two yield periods."""
+    clock = time.perf_counter_ns
+    now = clock()
+    until, backoff = spin_backoff
+    if now < until:
+        return False
+    budget = w.spin_ns
+    end = now + budget
+    if timeout is not None:
+        end = min(end, now + int(timeout * 1e9))
+    every = w.yield_ns
+    next_yield = now + every
+    yield_ = os.sched_yield
+    switched = False
+    # Nothing to adapt when the data comes: the common case returns at once, because every
+    # bytecode between the peer's store and our reply is round-trip time.
+    steady = budget >= SPIN_MAX_NS and every >= SPIN_YIELD_NS and backoff == SPIN_BACKOFF_MIN_NS
+    while True:
+        if (
+            hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or hdr[idx] != old
+            or ready()
+        ):
+            if steady and not switched:
+                return True
+            if budget < SPIN_MAX_NS:
+                w.spin_ns = min(SPIN_MAX_NS, budget + (budget >> 1) + 1000)
+            if switched:  # the peer ran on our CPU while we yielded
+                w.yield_ns = 0
+            elif every < SPIN_YIELD_NS:
+                w.yield_ns = SPIN_YIELD_NS
+            if now > until + backoff:  # a calm spell as long as the back-off: forget it
+                spin_backoff[1] = SPIN_BACKOFF_MIN_NS
+            return True
+        now = clock()
+        if now >= end:
+            break
+        if now >= next_yield:
+            yield_()
+            after = clock()
+            if after - now > SPIN_CONTENDED_NS and not ready():
+                spin_backoff[0] = after + backoff
+                spin_backoff[1] = min(SPIN_BACKOFF_MAX_NS, backoff * 2)
+                break
+            switched = after - now > SPIN_SWITCHED_NS
+            now = after
+            next_yield = after + every
+    w.spin_ns = max(SPIN_MIN_NS, budget >> 1)
+    return False
+
+
+class LinkWatcher:
+    """One daemon thread per process, started on the first :meth:`Channel.fileno`: it epolls
+    the peer links of level-mode channels and kicks the channel's own eventfd when a link
+    hangs up, so that ``select`` on ``fileno()`` also wakes for a peer's death."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._ep = select.epoll()
+        self._lock = threading.Lock()
+        self._links: dict[int, int] = {}
+        thread = threading.Thread(target=self._run, name="smc-channel-links", daemon=True)
+        thread.start()
+
+    def add(self, link_fd: int, efd: int) -> None:
+        with self._lock:
+            self._links[link_fd] = efd
+            # Hang-ups only (EPOLLHUP is implied): kick bytes on the link must not count.
+            self._ep.register(link_fd, select.EPOLLRDHUP | select.EPOLLONESHOT)
+
+    def remove(self, link_fd: int) -> None:
+        with self._lock:
+            if self._links.pop(link_fd, None) is not None:
+                with contextlib.suppress(OSError):
+                    self._ep.unregister(link_fd)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events = self._ep.poll()
+            except InterruptedError:
+                continue
+            for fd, _ev in events:
+                with self._lock:  # close() removes under this lock before closing fds
+                    efd = self._links.pop(fd, None)
+                    if efd is None:
+                        continue
+                    try:
+                        self._ep.unregister(fd)
+                        os.eventfd_write(efd, 1)
+                    except OSError:
+                        pass
+
+
+_watcher_instance: LinkWatcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def link_watcher() -> LinkWatcher:
+    global _watcher_instance
+    with _watcher_lock:
+        if _watcher_instance is None or _watcher_instance.pid != os.getpid():
+            _watcher_instance = LinkWatcher()
+        return _watcher_instance
