@@ -35,49 +35,33 @@ left the connections abort. When the port comes back, a link is added again.
 
 Link groups without connections are freed after ``linger`` seconds (DELETE LINK ALL, orderly).
 A first contact's link group stays out of reuse until LLC CONFIRM LINK completed.
+
+The link group machine's outputs are carried out by the handlers in :mod:`.smcr_outputs` (a
+mixin of :class:`SmcrTransport`); the records they share are in :mod:`.smcr_lgr`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from smcd_daemon.core import registry as reg
 from smcd_daemon.core.buffers import compress_size
-from smcd_daemon.core.rmb import BufferKind, RmbPool, SmcrBuffer, buffer_size_for
+from smcd_daemon.core.rmb import BufferKind, RmbPool, buffer_size_for
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.linkgroup import (
-    AbortConnections,
-    AddLinkResult,
-    CreateQp,
-    DestroyQp,
-    FirstContactDone,
-    FirstContactFailed,
-    LgrTypeChanged,
     LinkGroup,
     LinkGroupError,
-    LinkGroupTerminated,
     LinkState,
-    LinkStateChanged,
-    LlcIgnored,
     LocalPort,
-    MoveConnection,
-    Output,
-    QpToRtr,
-    QpToRts,
-    RmbConfirmed,
-    RmbDeleted,
     Role,
-    SendLlc,
 )
 from smcd_daemon.protocol.negotiate_smcr import (
     FirstLink,
@@ -87,18 +71,25 @@ from smcd_daemon.protocol.negotiate_smcr import (
     SmcrOutcome,
 )
 from smcd_daemon.transport.smcr_conn import SmcrConnection
-from smcd_daemon.transport.verbs import VerbsError, VerbsLink, VerbsPort
+from smcd_daemon.transport.smcr_lgr import (
+    AltPort,
+    AltPortFinder,
+    SmcrGrant,
+    SmcrLgr,
+    SmcrTransportError,
+    port_name,
+)
+from smcd_daemon.transport.smcr_outputs import LlcOutputs
+from smcd_daemon.transport.verbs import VerbsError, VerbsPort
 from smcd_daemon.transport.verbs_model import (
     CompletionFailed,
     LinkError,
-    LinkParams,
     MessageReceived,
     PortStateChanged,
     RemoteRing,
     SendDone,
     VerbsEvent,
     WriteDone,
-    mtu_bytes,
 )
 from smcd_daemon.wire import cdc as wire_cdc
 from smcd_daemon.wire.reasons import DeclineReason
@@ -117,75 +108,9 @@ log = logging.getLogger(__name__)
 LGR_LINGER = 10.0
 #: Slow safety sweep over every connection (lost kicks, see smcr_conn).
 SWEEP_INTERVAL = 0.5
-#: A QP is destroyed this long after the link group let it go (its last sends drain).
-DESTROY_DELAY = 0.5
 
 
-class SmcrTransportError(SmcError):
-    """A link group or RMB request failed; ``decline_reason`` names the CLC decline code."""
-
-    def __init__(self, message: str, decline_reason: int = DeclineReason.INTERR) -> None:
-        super().__init__(message)
-        self.decline_reason = int(decline_reason)
-
-
-@dataclass(frozen=True)
-class SmcrGrant:
-    """An RMB handed to a negotiation (``RmbGrant``): registered on link ``link_id``."""
-
-    rkey: int
-    vaddr: int
-    size: int
-    size_comp: int
-    alert_token: int
-    lgr_id: int
-    rmb_id: int
-
-
-@dataclass(frozen=True)
-class AltPort:
-    """A local RoCE port a link group may use for its second link (``smc_pnet_find_alt_roce``):
-    the GID (and its table index) the link announces, and its netdev."""
-
-    device: str
-    port: int
-    gid: bytes
-    gid_index: int
-    netdev: str
-
-
-#: Finds the alternate ports for a new link group (the SMC-R service knows the inventory).
-AltPortFinder = Callable[[LinkGroupRequest], Sequence[AltPort]]
-
-
-@dataclass(eq=False)
-class _Lgr:
-    fsm: LinkGroup
-    lgr_id: int
-    version: int
-    role: Role
-    peer_system_id: bytes
-    vlan_id: int
-    uses_gateway: bool
-    ports: dict[str, VerbsPort]
-    gid_index: dict[str, int]
-    netdevs: dict[str, str] = field(default_factory=dict)
-    links: dict[int, VerbsLink] = field(default_factory=dict)
-    peer_macs: dict[int, bytes] = field(default_factory=dict)
-    rmbs: dict[int, SmcrBuffer] = field(default_factory=dict)
-    free_rmbs: list[int] = field(default_factory=list)
-    conns: dict[int, SmcrConnection] = field(default_factory=dict)
-    llc_q: dict[int, deque[bytes]] = field(default_factory=dict)
-    send_q: dict[int, deque[SmcrConnection]] = field(default_factory=dict)
-    first: asyncio.Future[str | None] | None = None
-    confirmed: bool = False
-    timer: asyncio.TimerHandle | None = None
-    free_timer: asyncio.TimerHandle | None = None
-    next_rmb: int = 0
-    gone: bool = False
-
-
-class SmcrTransport:
+class SmcrTransport(LlcOutputs):
     """Link groups, RMBs and connections of SMC-R (see the module docstring).
 
     ``devices`` limits the RoCE devices used (None: any the negotiator chooses); ``registry``
@@ -211,8 +136,8 @@ class SmcrTransport:
         self.testlink_time = testlink_time
         self._clock = clock
         self._ports: dict[str, VerbsPort] = {}
-        self._lgrs: dict[int, _Lgr] = {}
-        self._by_qp: dict[tuple[str, int], tuple[_Lgr, int]] = {}
+        self._lgrs: dict[int, SmcrLgr] = {}
+        self._by_qp: dict[tuple[str, int], tuple[SmcrLgr, int]] = {}
         self._by_token: dict[int, SmcrConnection] = {}
         self._tokens: set[int] = set()
         self._grants: dict[int, SmcrGrant] = {}
@@ -330,7 +255,7 @@ class SmcrTransport:
             max_conns=request.max_conns,
             testlink_time=self.testlink_time,
         )
-        g = _Lgr(
+        g = SmcrLgr(
             fsm=fsm,
             lgr_id=lgr_id,
             version=request.version,
@@ -415,7 +340,7 @@ class SmcrTransport:
             rkeys: dict[int, tuple[int, int]] = {}
             try:
                 for lid, vl in g.links.items():
-                    pname = self._port_name(vl)
+                    pname = port_name(vl)
                     region = self.pool.register(buf, pname, vl.port.mrs)
                     rkeys[lid] = (region.rkey, region.addr)
             except SmcError as e:
@@ -428,7 +353,7 @@ class SmcrTransport:
         if link is None:
             raise SmcrTransportError(f"link {link_id} of link group {lgr_id:#x} is gone",
                                      DeclineReason.NOACTLINK)  # fmt: skip
-        region = buf.region(self._port_name(link))
+        region = buf.region(port_name(link))
         token = self._new_token()
         self.registry.update_link_group(lgr_id, rmb_alloc=sum(b.size for b in g.rmbs.values()))
         grant = SmcrGrant(
@@ -519,7 +444,7 @@ class SmcrTransport:
                 DeclineReason.INTERR,
             )
         sndbuf = self.pool.acquire(BufferKind.SNDBUF, snd_size)
-        region = self.pool.register(sndbuf, self._port_name(vl), vl.port.mrs)
+        region = self.pool.register(sndbuf, port_name(vl), vl.port.mrs)
         conn = SmcrConnection(
             conn_id=conn_id,
             lgr_id=g.lgr_id,
@@ -561,11 +486,11 @@ class SmcrTransport:
             g.send_q.setdefault(conn.link_id, deque()).append(conn)
         self._pump(g, conn.link_id)
 
-    def _send_llc(self, g: _Lgr, link_id: int, data: bytes) -> None:
+    def _send_llc(self, g: SmcrLgr, link_id: int, data: bytes) -> None:
         g.llc_q.setdefault(link_id, deque()).append(data)
         self._pump(g, link_id)
 
-    def _pump(self, g: _Lgr, link_id: int) -> None:
+    def _pump(self, g: SmcrLgr, link_id: int) -> None:
         vl = g.links.get(link_id)
         if vl is None or vl.error is not None:
             return
@@ -653,7 +578,7 @@ class SmcrTransport:
         elif isinstance(ev, CompletionFailed | WriteDone):
             pass  # LinkError follows a failure; writes are covered by the CDC after them
 
-    def _on_cdc(self, g: _Lgr, data: bytes) -> None:
+    def _on_cdc(self, g: SmcrLgr, data: bytes) -> None:
         try:
             msg = wire_cdc.decode(data)
         except SmcError as e:
@@ -672,192 +597,7 @@ class SmcrTransport:
             return
         conn.on_cdc(msg)
 
-    # ------------------------------------------------------------------ LLC outputs
-    def _apply(self, g: _Lgr, outputs: list[Output]) -> None:
-        for o in outputs:
-            try:
-                self._apply_one(g, o)
-            except SmcError as e:
-                log.warning("SMC-R link group %#x: %s failed: %s", g.lgr_id, type(o).__name__, e)
-                if isinstance(o, CreateQp):
-                    self._apply(g, g.fsm.link_down(o.link_id, self._now(), str(e)))
-        self._schedule_tick(g)
-
-    def _apply_one(self, g: _Lgr, o: Output) -> None:
-        now = self._now()
-        if isinstance(o, SendLlc):
-            self._send_llc(g, o.link_id, o.message.encode())
-        elif isinstance(o, CreateQp):
-            vp = g.ports.get(o.port.name)
-            if vp is None:
-                dev, _, num = o.port.name.rpartition(":")
-                vp = g.ports[o.port.name] = self.port(dev, int(num))
-            gid_index = g.gid_index.get(o.port.name)
-            if gid_index is None:
-                gid_index = g.gid_index[o.port.name] = vp.gid_index(o.port.gid)
-            vl = vp.create_link(gid_index, v2=g.fsm.v2)
-            vl.to_init()
-            g.links[o.link_id] = vl
-            self._by_qp[(vp.device, vl.qpn)] = (g, o.link_id)
-            rkeys = {}
-            for rmb_id in o.rmb_ids:
-                region = self.pool.register(g.rmbs[rmb_id], o.port.name, vp.mrs)
-                rkeys[rmb_id] = (region.rkey, region.addr)
-            self.registry.add_link(
-                reg.Link(
-                    lgr_id=g.lgr_id,
-                    link_id=o.link_id,
-                    state=reg.LinkState.ACTIVATING,
-                    ibdev=vp.device,
-                    ibport=vp.port,
-                    netdev=g.netdevs.get(o.port.name) or self._lgr_netdev(g),
-                    gid=vl.gid,
-                    qpn=vl.qpn,
-                    mtu=mtu_bytes(vl.mtu),
-                )
-            )
-            self._apply(g, g.fsm.qp_created(o.link_id, vl.qpn, vl.psn, now, rkeys))
-        elif isinstance(o, QpToRtr):
-            vl = g.links[o.link_id]
-            p = o.peer
-            g.peer_macs[o.link_id] = p.mac
-            vl.to_rtr(LinkParams(p.gid, p.qpn, p.psn, o.mtu, p.mac), uses_gateway=g.uses_gateway)
-            self._reg_link(g, o.link_id, peer_gid=p.gid, peer_qpn=p.qpn, mtu=mtu_bytes(o.mtu))
-        elif isinstance(o, QpToRts):
-            g.links[o.link_id].to_rts()
-        elif isinstance(o, DestroyQp):
-            vl2 = g.links.pop(o.link_id, None)
-            if vl2 is not None:
-                self._destroy_later(vl2)
-            g.llc_q.pop(o.link_id, None)
-            for queued in g.send_q.pop(o.link_id, ()):
-                queued.queued = False
-                if not queued.done and queued.link_id != o.link_id:
-                    self._want_send(queued)
-            with contextlib.suppress(SmcError):
-                self.registry.remove_link(g.lgr_id, o.link_id)
-        elif isinstance(o, MoveConnection):
-            conn = g.conns.get(o.conn_id)
-            if conn is not None:
-                log.info("SMC-R connection %d: failover link %d -> %d", o.conn_id, o.from_link,
-                         o.to_link)  # fmt: skip
-                conn.queued = False
-                to = g.links.get(o.to_link)
-                if to is not None:  # the send buffer must be registered with the new PD
-                    conn.snd_region = self.pool.register(conn.sndbuf, self._port_name(to),
-                                                         to.port.mrs)  # fmt: skip
-                conn.move(o.to_link, o.peer_rkey, o.peer_vaddr, o.validate)
-                with contextlib.suppress(SmcError):
-                    self.registry.update_connection(o.conn_id, link_id=o.to_link)
-        elif isinstance(o, AbortConnections):
-            for conn_id in o.conn_ids:
-                conn = g.conns.get(conn_id)
-                if conn is not None:
-                    conn.lost("the link group ended (no link left)")
-        elif isinstance(o, LinkStateChanged):
-            if o.new != LinkState.UNUSED:
-                self._sync_link(g, o.link_id)
-            log.info("SMC-R link group %#x link %d: %s -> %s", g.lgr_id, o.link_id,
-                     o.old.value, o.new.value)  # fmt: skip
-        elif isinstance(o, LgrTypeChanged):
-            log.info("SMC-R link group %#x: type %s -> %s", g.lgr_id, o.old.value, o.new.value)
-            with contextlib.suppress(SmcError):
-                self.registry.update_link_group(g.lgr_id, lgr_type=reg.LgrType(o.new.value))
-        elif isinstance(o, FirstContactDone):
-            self._first_done(g, o.link_id, None)
-        elif isinstance(o, FirstContactFailed):
-            self._first_done(g, None, o.explanation)
-        elif isinstance(o, LinkGroupTerminated):
-            log.info("SMC-R link group %#x terminated: %s", g.lgr_id, o.explanation)
-            self._first_done(g, None, o.explanation)
-            self._teardown(g)
-        elif isinstance(o, LlcIgnored):
-            log.debug("SMC-R link group %#x: LLC ignored: %s", g.lgr_id, o.why)
-        elif isinstance(o, AddLinkResult):
-            log.info("SMC-R link group %#x: ADD LINK %s: %s", g.lgr_id,
-                     "done" if o.ok else "failed", o.explanation)  # fmt: skip
-        elif isinstance(o, RmbConfirmed | RmbDeleted):
-            log.debug("SMC-R link group %#x: %s", g.lgr_id, o)
-
-    def _lgr_netdev(self, g: _Lgr) -> str:
-        rec = self.registry.link_group(g.lgr_id)
-        return rec.netdev if rec is not None else ""
-
-    def _sync_link(self, g: _Lgr, link_id: int) -> None:
-        """The registry's record of a link from the link group machine: state, uids, peer."""
-        info = next((i for i in g.fsm.links() if i.link_id == link_id), None)
-        if info is None:
-            return
-        changes: dict[str, Any] = {"state": reg.LinkState(info.state.value),
-                                   "link_uid": info.link_uid}  # fmt: skip
-        if info.peer_link_uid is not None:
-            changes["peer_link_uid"] = info.peer_link_uid
-        if info.peer_gid is not None:
-            changes["peer_gid"] = info.peer_gid
-        if info.peer_qpn is not None:
-            changes["peer_qpn"] = info.peer_qpn
-        if info.mtu is not None:
-            changes["mtu"] = mtu_bytes(info.mtu)
-        self._reg_link(g, link_id, **changes)
-
-    def _reg_link(self, g: _Lgr, link_id: int, **changes: Any) -> None:
-        with contextlib.suppress(SmcError):
-            self.registry.update_link(g.lgr_id, link_id, **changes)
-
-    def _first_done(self, g: _Lgr, link_id: int | None, why: str | None) -> None:
-        if link_id is not None and link_id not in g.links and len(g.links) == 1:
-            # the server numbered the first link differently (smc_llc_eval_conf_link)
-            (old,) = g.links
-            vl = g.links.pop(old)
-            g.links[link_id] = vl
-            self._by_qp[(vl.port.device, vl.qpn)] = (g, link_id)
-            if old in g.peer_macs:
-                g.peer_macs[link_id] = g.peer_macs.pop(old)
-            with contextlib.suppress(SmcError):
-                rec = self.registry.remove_link(g.lgr_id, old)
-                self.registry.add_link(dataclasses.replace(rec, link_id=link_id))
-        if link_id is not None:
-            self._sync_link(g, link_id)
-        if why is None:
-            g.confirmed = True
-        fut = g.first
-        if fut is not None and not fut.done():
-            fut.set_result(why)
-        g.first = None
-
-    def _destroy_later(self, vl: VerbsLink) -> None:
-        def destroy() -> None:
-            self._by_qp.pop((vl.port.device, vl.qpn), None)
-            vl.close()
-
-        def quiesce() -> None:
-            with contextlib.suppress(SmcError):
-                vl.to_error()
-
-        if self._loop is not None and not self._closed:
-            # the last sends (DELETE LINK) drain, then the QP goes to ERR (as smcr_link_clear
-            # does) and is destroyed once the flushed work has completed
-            self._loop.call_later(DESTROY_DELAY, quiesce)
-            self._loop.call_later(2 * DESTROY_DELAY, destroy)
-        else:
-            destroy()
-
     # ------------------------------------------------------------------ time
-    def _schedule_tick(self, g: _Lgr) -> None:
-        if g.timer is not None:
-            g.timer.cancel()
-            g.timer = None
-        if g.gone or self._loop is None:
-            return
-        deadline = g.fsm.next_deadline()
-        if deadline is not None:
-            delay = max(0.0, deadline - self._now())
-            g.timer = self._loop.call_later(delay, self._on_tick, g)
-
-    def _on_tick(self, g: _Lgr) -> None:
-        g.timer = None
-        if not g.gone:
-            self._apply(g, g.fsm.tick(self._now()))
 
     def _on_sweep(self) -> None:
         self._sweep = None
@@ -892,7 +632,7 @@ class SmcrTransport:
                 g.free_timer.cancel()
             g.free_timer = self._loop.call_later(self.linger, self._free_idle, g)
 
-    def _free_idle(self, g: _Lgr) -> None:
+    def _free_idle(self, g: SmcrLgr) -> None:
         g.free_timer = None
         if g.conns or g.gone:
             return
@@ -902,7 +642,7 @@ class SmcrTransport:
         self._apply(g, g.fsm.free(self._now()))
         self._teardown(g)
 
-    def _teardown(self, g: _Lgr) -> None:
+    def _teardown(self, g: SmcrLgr) -> None:
         if g.gone:
             return
         g.gone = True
@@ -923,15 +663,11 @@ class SmcrTransport:
             self.registry.remove_link_group(g.lgr_id)
 
     # ------------------------------------------------------------------ helpers
-    def _lgr(self, lgr_id: int) -> _Lgr:
+    def _lgr(self, lgr_id: int) -> SmcrLgr:
         g = self._lgrs.get(lgr_id)
         if g is None:
             raise SmcrTransportError(f"no link group {lgr_id:#x}", DeclineReason.NOACTLINK)
         return g
-
-    @staticmethod
-    def _port_name(vl: VerbsLink) -> str:
-        return f"{vl.port.device}:{vl.port.port}"
 
     def lgr_stats(self) -> list[dict[str, Any]]:
         """A snapshot per link group (tests and tools): QPs, connections, RMB reuse."""
