@@ -28,8 +28,16 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy --strict smcd_daemon/wire
 
-pytest: venv
+pytest: venv bpf
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The peer-detection eBPF object (README "Peer detection"): clang at build time, libbpf at run time.
+.PHONY: bpf
+BPF_OBJ := build/bpf/smc_option.bpf.o
+bpf: $(BPF_OBJ)
+$(BPF_OBJ): smcd_daemon/adapters/bpf/smc_option.bpf.c | deps
+	@mkdir -p $(@D)
+	clang -O2 -g -Wall -target bpf -I/usr/include/$$(uname -m)-linux-gnu -c $< -o $@
 
 test: venv lint typecheck pytest
 

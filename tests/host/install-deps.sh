@@ -14,6 +14,9 @@ PKGS=(
   # `cc` and libc headers: bench/_ceiling.py compiles bench/ceiling.c (the smoke test's ceiling
   # row); gcc only recommends libc6-dev, and recommends are not installed
   gcc libc6-dev
+  # peer detection (make bpf, tests/bpf): clang builds the eBPF object against libbpf-dev's
+  # headers, libbpf1 loads it at run time, bpftool checks attachment in the tests
+  clang libbpf-dev bpftool tcpdump
 )
 
 . "$(dirname "${BASH_SOURCE[0]}")/apt-lib.sh"
