@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from smc_handoff.channel import WANT_DATA, WANT_LINK, WANT_SPACE, ChannelFds
 from smc_handoff.layout import (
     C_KICK,
     C_KICK_SPACE,
@@ -48,7 +49,6 @@ from smc_handoff.layout import (
     prod_word,
     split_word,
 )
-from smc_handoff.channel import WANT_DATA, WANT_LINK, WANT_SPACE, ChannelFds
 from smcd_daemon.core.rmb import SmcrBuffer
 from smcd_daemon.transport.smcr_relay import AppView, ConnRelay, RelayViolation, Transmit
 from smcd_daemon.transport.verbs_model import RemoteRing

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from smcd_daemon.errors import SmcError
-from smcd_daemon.transport import verbs, verbs_model
+from smcd_daemon.transport import verbs, verbs_lib, verbs_model
 from smcd_daemon.transport.verbs_model import (
     IPV6_DEFAULT_HOPLIMIT,
     SMC_IB_MAX_SEND_SGE,
@@ -65,7 +65,7 @@ def test_module_imports_without_loading_pyverbs() -> None:
 
 
 def test_missing_pyverbs_is_verbs_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verbs, "_pv", None)
+    monkeypatch.setattr(verbs_lib, "_pv", None)
     monkeypatch.setitem(sys.modules, "pyverbs", None)  # import of pyverbs now fails
     monkeypatch.setitem(sys.modules, "pyverbs.device", None)
     with pytest.raises(verbs.VerbsUnavailable, match="python3-pyverbs"):
@@ -325,7 +325,7 @@ def test_fd_listing_leaves_out_its_own_directory_fd() -> None:
     before = verbs.open_fds()
     r, w = os.pipe()
     try:
-        after = verbs._fd_targets()
+        after = verbs.fd_targets()
         assert r not in before and w not in before
         assert after[r].startswith("pipe:") and after[w] == after[r]
     finally:
