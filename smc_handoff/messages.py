@@ -2,7 +2,9 @@
 
 This module is the protocol's definition. The client library (``smc_handoff.socket``) and the
 daemon (``smcd_daemon.adapters.handoff``) both encode and decode with it, so there is one source
-of truth; everything below is normative.
+of truth; everything below is normative. The constants, errors, enumerations and message classes
+are defined in :mod:`smc_handoff.message_defs` and imported from here; this module frames them,
+sends and receives them, and finds the daemon.
 
 Transport
 =========
@@ -103,12 +105,14 @@ descriptor column is the exact ``SCM_RIGHTS`` list, in order; any other count is
     ``SOCK_SEQPACKET`` socketpair). body: ``conn_id u64`` (non-zero), ``mode u8`` (Mode),
     ``rx_size u32``, ``tx_size u32`` (17 bytes). The daemon keeps no copy of the peer link.
 ``FALLBACK`` 0x82 — SMC is not used; the TCP socket is the application's again, unchanged (no
-    byte was consumed or written on it that the application would see). No fds. ``name`` is
+    byte was consumed or written on it that the application would see: none at all, or a CLC
+    exchange that ended in a Decline both ends processed, flag bit 1). No fds. ``name`` is
     the kernel's symbolic name without ``SMC_CLC_DECL_`` (e.g. ``PEERNOSMC``).
     body: ``code u32`` (a CLC decline / fallback reason code, e.g. 0x03010000 PEERNOSMC,
     0x030D0000 MAX_DMB when past the per-user quota), ``flags u8`` (bit 0: a peer diagnosis is
-    present; other bits 0), ``peer_diagnosis u32`` (the code of the peer's CLC Decline, 0 when
-    absent), ``name name16``, ``explanation str16``.
+    present; bit 1: ``after_decline``, CLC bytes crossed the stream before the Decline, which
+    the library trusts only so; other bits 0), ``peer_diagnosis u32`` (the code of the peer's
+    CLC Decline, 0 when absent), ``name name16``, ``explanation str16``.
 ``ERROR`` 0x83 — the request was refused; nothing was done with its descriptors (the daemon
     closed its copies) and the TCP connection is untouched. No fds. body: ``code u16``
     (ErrorCode), ``message str16``. The ERROR layout is frozen for all versions, so that any
@@ -134,14 +138,17 @@ Rules for both ends
   descriptor's file status flags as it found them (``O_NONBLOCK`` is shared by all copies); the
   library re-applies its own blocking mode after every reply anyway.
 - The daemon answers CONNECT/ACCEPT within its CLC timeouts; the client waits
-  :data:`HANDOFF_TIMEOUT` seconds (``$SMCD_HANDOFF_TIMEOUT`` overrides). No daemon at the path,
-  a refused connection, an untrusted daemon, a timeout, an ERROR or an invalid reply all degrade
-  to TCP: the library reports the fallback with the local codes
-  :data:`FALLBACK_DAEMON_UNAVAILABLE` (0xFF000001) / :data:`FALLBACK_DAEMON_ERROR` (0xFF000002)
-  (class 0xFF, never used by the kernel), so an application never breaks because smcd is absent
-  or broken. On a CPU that cannot run the channel the library does not even ask
-  (:data:`FALLBACK_CHANNEL_UNSUPPORTED`, 0xFF000003); a socket the application detaches before
-  any data moved (``ssl`` does) continues on TCP (:data:`FALLBACK_DETACHED`, 0xFF000004).
+  :data:`HANDOFF_TIMEOUT` seconds (``$SMCD_HANDOFF_TIMEOUT`` overrides), then resets the TCP
+  connection and fails with ETIMEDOUT (the daemon still holds the socket). No daemon at the
+  path, a refused connection, an untrusted daemon, an ERROR, an invalid reply or the daemon's
+  death degrade to TCP when the stream is untouched, otherwise the library resets it and fails
+  with ECONNRESET (``smc_handoff.handoff`` checks the kernel's byte counts). Such fallbacks
+  have the local codes :data:`FALLBACK_DAEMON_UNAVAILABLE` (0xFF000001) /
+  :data:`FALLBACK_DAEMON_ERROR` (0xFF000002) (class 0xFF, never used by the kernel), so an
+  application never breaks because smcd is absent or broken. On a CPU that cannot run the
+  channel the library does not even ask (:data:`FALLBACK_CHANNEL_UNSUPPORTED`, 0xFF000003); a
+  socket the application detaches before any data moved (``ssl`` does) continues on TCP
+  (:data:`FALLBACK_DETACHED`, 0xFF000004).
 - A CHANNEL reply commits both ends: the TCP stream has carried CLC, so there is no way back
   to TCP; descriptors the library cannot use make the socket fail with ECONNRESET.
 """
@@ -150,16 +157,54 @@ from __future__ import annotations
 
 import array
 import contextlib
-import enum
+import functools
 import os
-import re
 import socket
-import struct
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+
+from smc_handoff.message_defs import (
+    FALLBACK_CHANNEL_UNSUPPORTED,
+    FALLBACK_DAEMON_ERROR,
+    FALLBACK_DAEMON_UNAVAILABLE,
+    FALLBACK_DETACHED,
+    FD_NAMES,
+    HANDOFF_TIMEOUT,
+    HEADER,
+    MAGIC,
+    MAX_FDS,
+    MAX_MESSAGE,
+    MAX_TEXT,
+    MESSAGE_CLASSES,
+    SYSTEM_HANDOFF_SOCKET,
+    VERSION,
+    Accept,
+    BodyReader,
+    Channel,
+    Close,
+    Connect,
+    Error,
+    ErrorCode,
+    Fallback,
+    HandoffClosedError,
+    HandoffError,
+    HandoffProtocolError,
+    HandoffVersionError,
+    Listen,
+    Message,
+    MessageType,
+    Mode,
+    Ok,
+    Reply,
+    Request,
+    Resume,
+    Role,
+    Shutdown,
+    daemon_error,
+    daemon_unavailable,
+    valid_dmb_size,
+)
 
 __all__ = [
     "FALLBACK_CHANNEL_UNSUPPORTED",
@@ -210,489 +255,9 @@ __all__ = [
     "valid_dmb_size",
 ]
 
-MAGIC = b"SMCH"
-VERSION = 1
-HEADER = struct.Struct("!4sBBHI")
-"""magic, version, type, flags, body length (12 bytes)."""
-MAX_MESSAGE = 4096
-"""Largest datagram (header + body), both directions."""
-MAX_TEXT = 1024
-"""Largest string field, in UTF-8 bytes."""
-MAX_FDS = 8
-"""Descriptors a receiver makes room for (the largest message carries 5)."""
-HANDOFF_TIMEOUT = 10.0
-"""Seconds a client waits for the reply to CONNECT/ACCEPT/LISTEN/RESUME (daemon CLC timeouts are
-6 s + the 1 s proposal wait by default)."""
-SYSTEM_HANDOFF_SOCKET = Path("/run/smcd/handoff.sock")
+# --- codec ------------------------------------------------------------------------------------
 
-FALLBACK_DAEMON_UNAVAILABLE = 0xFF000001
-"""Local fallback code (not a kernel code; class 0xFF = smc_handoff): no daemon answered."""
-FALLBACK_DAEMON_ERROR = 0xFF000002
-"""Local fallback code: a daemon answered but refused the request or answered nonsense."""
-FALLBACK_CHANNEL_UNSUPPORTED = 0xFF000003
-"""Local fallback code: this CPU cannot run the shared-memory channel (not asked of the daemon)."""
-FALLBACK_DETACHED = 0xFF000004
-"""Local fallback code: the application detached the TCP socket (e.g. for ``ssl``) before any
-data moved over the channel, which was then closed."""
-
-_SMCD_MIN_DMB = 16 * 1024
-_NAME_RE = re.compile(r"[A-Za-z0-9_]{1,64}")
-
-
-class HandoffError(Exception):
-    """Root of the smc_handoff errors (the library is stdlib-only: not an ``SmcError``)."""
-
-
-class ErrorCode(enum.IntEnum):
-    """ERROR reply codes; also the ``code`` of a :class:`HandoffProtocolError`."""
-
-    MALFORMED = 1
-    """The datagram is not a valid message (framing, field values, direction)."""
-    OVERSIZED = 2
-    """Longer than :data:`MAX_MESSAGE`."""
-    UNSUPPORTED_VERSION = 3
-    UNSUPPORTED_TYPE = 4
-    BAD_FDS = 5
-    """Wrong descriptor count or kind, or truncated ancillary data."""
-    BAD_STATE = 6
-    """A valid message that is not allowed now (e.g. a second CONNECT on one connection)."""
-    DENIED = 7
-    """Refused by policy for this caller (SO_PEERCRED)."""
-    INTERNAL = 8
-    """The daemon failed; the TCP connection was not touched."""
-
-
-class HandoffProtocolError(HandoffError):
-    """A message that breaks the protocol; ``code`` is the ERROR code to answer it with."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class HandoffVersionError(HandoffProtocolError):
-    """A version this end does not speak (``version`` is the one received)."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(
-            f"unsupported handoff protocol version {version} (this end speaks {VERSION})",
-            ErrorCode.UNSUPPORTED_VERSION,
-        )
-        self.version = version
-
-
-class HandoffClosedError(HandoffError, ConnectionError):
-    """The other end closed the handoff connection (EOF where a message was expected)."""
-
-
-class MessageType(enum.IntEnum):
-    CONNECT = 0x01
-    ACCEPT = 0x02
-    LISTEN = 0x03
-    RESUME = 0x04
-    SHUTDOWN = 0x05
-    CLOSE = 0x06
-    CHANNEL = 0x81
-    FALLBACK = 0x82
-    ERROR = 0x83
-    OK = 0x84
-
-    @property
-    def is_request(self) -> bool:
-        return self < 0x80
-
-
-class Mode(enum.IntEnum):
-    """What carries the data of a channel (the ``.mode`` string is the lower-case name)."""
-
-    SMCD = 1
-    SMCR = 2
-
-
-class Role(enum.IntEnum):
-    CLIENT = 1
-    SERVER = 2
-
-
-FD_NAMES: Mapping[MessageType, tuple[str, ...]] = {
-    MessageType.CONNECT: ("tcp",),
-    MessageType.ACCEPT: ("tcp",),
-    MessageType.LISTEN: ("listener",),
-    MessageType.RESUME: ("tcp",),
-    MessageType.SHUTDOWN: (),
-    MessageType.CLOSE: (),
-    MessageType.CHANNEL: ("rx_dmb", "tx_dmb", "rx_eventfd", "tx_eventfd", "peer_link"),
-    MessageType.FALLBACK: (),
-    MessageType.ERROR: (),
-    MessageType.OK: (),
-}
-"""The exact descriptor list of each message type, in ``SCM_RIGHTS`` order."""
-
-
-_DMB_SIZES = frozenset(_SMCD_MIN_DMB << n for n in range(7))
-
-
-def valid_dmb_size(size: int) -> bool:
-    """True for the SMC-D DMB sizes: 16 KiB << n, n = 0..6 (as ``layout.DMB_SIZES``)."""
-    return size in _DMB_SIZES
-
-
-# --- field helpers ----------------------------------------------------------------------------
-
-
-def _check_uint(name: str, value: int, bits: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << bits):
-        raise ValueError(f"{name} must be an integer 0..{(1 << bits) - 1}, not {value!r}")
-
-
-def _check_size(name: str, value: int, *, zero_ok: bool) -> None:
-    _check_uint(name, value, 32)
-    if not (valid_dmb_size(value) or (zero_ok and value == 0)):
-        raise ValueError(f"{name} must be 16 KiB << n (n = 0..6){' or 0' if zero_ok else ''}")
-
-
-def _check_text(name: str, value: str, *, is_name: bool = False) -> None:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a str")
-    if len(value.encode("utf-8")) > MAX_TEXT:
-        raise ValueError(f"{name} is longer than {MAX_TEXT} UTF-8 bytes")
-    if "\x00" in value:
-        raise ValueError(f"{name} must not contain NUL")
-    if is_name and not _NAME_RE.fullmatch(value):
-        raise ValueError(f"{name} must match [A-Za-z0-9_]{{1,64}}, not {value!r}")
-
-
-def _str16(value: str) -> bytes:
-    raw = value.encode("utf-8")
-    return struct.pack("!H", len(raw)) + raw
-
-
-_STRUCTS: dict[str, struct.Struct] = {}
-"""Compiled body layouts, by format (a handful; every handoff parses a few)."""
-
-
-class _Reader:
-    """Strict cursor over a body: every read is bounds-checked, leftovers are an error."""
-
-    def __init__(self, data: bytes, what: str) -> None:
-        self.data = data
-        self.pos = 0
-        self.what = what
-
-    def take(self, fmt: str) -> tuple[int, ...]:
-        st = _STRUCTS.get(fmt)
-        if st is None:
-            st = _STRUCTS[fmt] = struct.Struct("!" + fmt)
-        if self.pos + st.size > len(self.data):
-            raise HandoffProtocolError(
-                f"{self.what}: body truncated at byte {self.pos} (need {st.size} more)"
-            )
-        values = st.unpack_from(self.data, self.pos)
-        self.pos += st.size
-        return values
-
-    def text(self, field: str, *, is_name: bool = False) -> str:
-        (n,) = self.take("H")
-        if n > MAX_TEXT:
-            raise HandoffProtocolError(f"{self.what}: {field} is {n} bytes (limit {MAX_TEXT})")
-        if self.pos + n > len(self.data):
-            raise HandoffProtocolError(f"{self.what}: {field} truncated")
-        raw = self.data[self.pos : self.pos + n]
-        self.pos += n
-        try:
-            value = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise HandoffProtocolError(
-                f"{self.what}: {field} is not UTF-8 ({e.reason} at byte {e.start})"
-            ) from None
-        if "\x00" in value:
-            raise HandoffProtocolError(f"{self.what}: {field} contains NUL")
-        if is_name and not _NAME_RE.fullmatch(value):
-            raise HandoffProtocolError(f"{self.what}: {field} {value!r} is not a reason name")
-        return value
-
-    def end(self) -> None:
-        if self.pos != len(self.data):
-            raise HandoffProtocolError(
-                f"{self.what}: {len(self.data) - self.pos} unexpected trailing bytes"
-            )
-
-
-def _field_error(what: str, e: ValueError) -> HandoffProtocolError:
-    return HandoffProtocolError(f"{what}: {e}")
-
-
-# --- messages ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Connect:
-    """CONNECT: hand over the client half of a TCP connection (fds: tcp)."""
-
-    dmb_size: int = 0
-    TYPE: ClassVar[MessageType] = MessageType.CONNECT
-
-    def __post_init__(self) -> None:
-        _check_size("dmb_size", self.dmb_size, zero_ok=True)
-
-    def body(self) -> bytes:
-        return struct.pack("!I", self.dmb_size)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Connect:
-        (size,) = r.take("I")
-        return cls(size)
-
-
-@dataclass(frozen=True)
-class Accept:
-    """ACCEPT: hand over the server half of a TCP connection (fds: tcp)."""
-
-    dmb_size: int = 0
-    TYPE: ClassVar[MessageType] = MessageType.ACCEPT
-
-    def __post_init__(self) -> None:
-        _check_size("dmb_size", self.dmb_size, zero_ok=True)
-
-    def body(self) -> bytes:
-        return struct.pack("!I", self.dmb_size)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Accept:
-        (size,) = r.take("I")
-        return cls(size)
-
-
-@dataclass(frozen=True)
-class Listen:
-    """LISTEN: register an SMC-enabled listening socket (fds: listener)."""
-
-    TYPE: ClassVar[MessageType] = MessageType.LISTEN
-
-    def body(self) -> bytes:
-        return b""
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Listen:
-        return cls()
-
-
-@dataclass(frozen=True)
-class Resume:
-    """RESUME: re-register a live channel after a daemon restart (fds: tcp)."""
-
-    conn_id: int
-    role: Role
-    mode: Mode
-    rx_size: int
-    tx_size: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    TYPE: ClassVar[MessageType] = MessageType.RESUME
-
-    def __post_init__(self) -> None:
-        _check_uint("conn_id", self.conn_id, 64)
-        object.__setattr__(self, "role", Role(self.role))
-        object.__setattr__(self, "mode", Mode(self.mode))
-        _check_size("rx_size", self.rx_size, zero_ok=False)
-        _check_size("tx_size", self.tx_size, zero_ok=False)
-        _check_uint("bytes_sent", self.bytes_sent, 64)
-        _check_uint("bytes_received", self.bytes_received, 64)
-
-    def body(self) -> bytes:
-        return struct.pack(
-            "!QBBHIIQQ",
-            self.conn_id,
-            self.role,
-            self.mode,
-            0,
-            self.rx_size,
-            self.tx_size,
-            self.bytes_sent,
-            self.bytes_received,
-        )
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Resume:
-        conn_id, role, mode, reserved, rx, tx, sent, received = r.take("QBBHIIQQ")
-        if reserved:
-            raise HandoffProtocolError("RESUME: reserved bytes must be 0")
-        return cls(conn_id, role, mode, rx, tx, sent, received)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """SHUTDOWN notice: the application shut down reading/writing (``socket.SHUT_*``)."""
-
-    how: int
-    TYPE: ClassVar[MessageType] = MessageType.SHUTDOWN
-
-    def __post_init__(self) -> None:
-        _check_uint("how", self.how, 8)
-        if self.how not in (socket.SHUT_RD, socket.SHUT_WR, socket.SHUT_RDWR):
-            raise ValueError(f"how must be SHUT_RD, SHUT_WR or SHUT_RDWR, not {self.how}")
-
-    def body(self) -> bytes:
-        return struct.pack("!B", self.how)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Shutdown:
-        (how,) = r.take("B")
-        return cls(how)
-
-
-@dataclass(frozen=True)
-class Close:
-    """CLOSE notice: the application closed (or aborted) the channel."""
-
-    aborted: bool = False
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    TYPE: ClassVar[MessageType] = MessageType.CLOSE
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.aborted, bool):
-            raise ValueError("aborted must be a bool")
-        _check_uint("bytes_sent", self.bytes_sent, 64)
-        _check_uint("bytes_received", self.bytes_received, 64)
-
-    def body(self) -> bytes:
-        return struct.pack("!BQQ", int(self.aborted), self.bytes_sent, self.bytes_received)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Close:
-        aborted, sent, received = r.take("BQQ")
-        if aborted > 1:
-            raise HandoffProtocolError("CLOSE: aborted must be 0 or 1")
-        return cls(bool(aborted), sent, received)
-
-
-@dataclass(frozen=True)
-class Channel:
-    """CHANNEL reply (fds: rx_dmb, tx_dmb, rx_eventfd, tx_eventfd, peer_link)."""
-
-    conn_id: int
-    mode: Mode
-    rx_size: int
-    tx_size: int
-    TYPE: ClassVar[MessageType] = MessageType.CHANNEL
-
-    def __post_init__(self) -> None:
-        _check_uint("conn_id", self.conn_id, 64)
-        if self.conn_id == 0:
-            raise ValueError("conn_id must not be 0")
-        object.__setattr__(self, "mode", Mode(self.mode))
-        _check_size("rx_size", self.rx_size, zero_ok=False)
-        _check_size("tx_size", self.tx_size, zero_ok=False)
-
-    def body(self) -> bytes:
-        return struct.pack("!QBII", self.conn_id, self.mode, self.rx_size, self.tx_size)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Channel:
-        conn_id, mode, rx, tx = r.take("QBII")
-        return cls(conn_id, mode, rx, tx)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """FALLBACK reply, and the ``.fallback`` of a socket that stayed on TCP.
-
-    ``code`` is the CLC decline / fallback reason (kernel numbering, or the local class 0xFF
-    codes), ``name`` its symbolic name, ``explanation`` a sentence for humans, and
-    ``peer_diagnosis`` the code the peer put in its CLC Decline (None when the peer sent none).
-    """
-
-    code: int
-    name: str
-    explanation: str
-    peer_diagnosis: int | None = None
-    TYPE: ClassVar[MessageType] = MessageType.FALLBACK
-
-    def __post_init__(self) -> None:
-        _check_uint("code", self.code, 32)
-        _check_text("name", self.name, is_name=True)
-        _check_text("explanation", self.explanation)
-        if self.peer_diagnosis is not None:
-            _check_uint("peer_diagnosis", self.peer_diagnosis, 32)
-
-    def body(self) -> bytes:
-        has = self.peer_diagnosis is not None
-        return (
-            struct.pack("!IBI", self.code, int(has), self.peer_diagnosis or 0)
-            + _str16(self.name)
-            + _str16(self.explanation)
-        )
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Fallback:
-        code, flags, diag = r.take("IBI")
-        if flags & ~1:
-            raise HandoffProtocolError("FALLBACK: unknown flag bits")
-        if not flags & 1 and diag:
-            raise HandoffProtocolError("FALLBACK: peer_diagnosis set without its flag")
-        name = r.text("name", is_name=True)
-        explanation = r.text("explanation")
-        return cls(code, name, explanation, diag if flags & 1 else None)
-
-    def __str__(self) -> str:
-        peer = (
-            "" if self.peer_diagnosis is None else f", peer diagnosis 0x{self.peer_diagnosis:08x}"
-        )
-        return f"{self.name} (0x{self.code:08x}{peer}): {self.explanation}"
-
-
-@dataclass(frozen=True)
-class Error:
-    """ERROR reply (layout frozen across versions)."""
-
-    code: ErrorCode
-    message: str
-    TYPE: ClassVar[MessageType] = MessageType.ERROR
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "code", ErrorCode(self.code))
-        _check_text("message", self.message)
-
-    def body(self) -> bytes:
-        return struct.pack("!H", self.code) + _str16(self.message)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Error:
-        (code,) = r.take("H")
-        if code not in ErrorCode._value2member_map_:
-            raise HandoffProtocolError(f"ERROR: unknown error code {code}")
-        return cls(ErrorCode(code), r.text("message"))
-
-
-@dataclass(frozen=True)
-class Ok:
-    """OK reply to LISTEN (listener id) or RESUME (new connection id)."""
-
-    ident: int = 0
-    TYPE: ClassVar[MessageType] = MessageType.OK
-
-    def __post_init__(self) -> None:
-        _check_uint("ident", self.ident, 64)
-
-    def body(self) -> bytes:
-        return struct.pack("!Q", self.ident)
-
-    @classmethod
-    def parse(cls, r: _Reader) -> Ok:
-        (ident,) = r.take("Q")
-        return cls(ident)
-
-
-Request = Connect | Accept | Listen | Resume | Shutdown | Close
-Reply = Channel | Fallback | Error | Ok
-Message = Request | Reply
-
-_CLASSES: dict[MessageType, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (Connect, Accept, Listen, Resume, Shutdown, Close, Channel, Fallback, Error, Ok)
-}
-
+_CLASSES: dict[MessageType, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_CLASSES}
 
 _CLASSES_BY_VALUE: dict[int, type[Message]] = {int(t): c for t, c in _CLASSES.items()}
 # Per class, what every message sent or received needs: its type's name (an enum ``.name`` is a
@@ -701,27 +266,8 @@ _NAMES: dict[type[Message], str] = {c: t.name for t, c in _CLASSES.items()}
 _FD_COUNTS: dict[type[Message], int] = {c: len(FD_NAMES[t]) for t, c in _CLASSES.items()}
 
 
-def daemon_unavailable(detail: str) -> Fallback:
-    """The fallback reported when no (trustworthy) daemon answered."""
-    return Fallback(
-        FALLBACK_DAEMON_UNAVAILABLE,
-        "DAEMON_UNAVAILABLE",
-        _clip(f"daemon unavailable: {detail}"),
-    )
-
-
-def daemon_error(detail: str) -> Fallback:
-    """The fallback reported when the daemon refused the request or answered nonsense."""
-    return Fallback(FALLBACK_DAEMON_ERROR, "DAEMON_ERROR", _clip(f"daemon error: {detail}"))
-
-
-def _clip(text: str) -> str:
-    """``text`` without NULs, cut to at most :data:`MAX_TEXT` UTF-8 bytes."""
-    raw = text.replace("\x00", "?").encode("utf-8", "replace")[:MAX_TEXT]
-    return raw.decode("utf-8", "ignore")
-
-
-# --- codec ------------------------------------------------------------------------------------
+def _field_error(what: str, e: ValueError) -> HandoffProtocolError:
+    return HandoffProtocolError(f"{what}: {e}")
 
 
 def encode(msg: Message, *, version: int = VERSION) -> bytes:
@@ -758,7 +304,7 @@ def decode(data: bytes) -> Message:
         raise HandoffProtocolError(
             f"{what}: header says {length} body bytes, datagram has {len(data) - HEADER.size}"
         )
-    r = _Reader(bytes(data[HEADER.size :]), what)
+    r = BodyReader(bytes(data[HEADER.size :]), what)
     try:
         msg = cls.parse(r)
     except ValueError as e:  # a field out of range, reported by the dataclass checks
@@ -874,26 +420,17 @@ def handoff_socket_candidates(env: Mapping[str, str] | None = None) -> list[Path
     env = os.environ if env is None else env
     override = env.get("SMCD_HANDOFF_SOCKET", "")
     xdg = env.get("XDG_RUNTIME_DIR", "")
-    key = (override, xdg, os.getuid())
-    known = _CANDIDATES.get(key)
-    if known is None:
-        known = _candidates(override, xdg)
-        if len(_CANDIDATES) >= 16:
-            _CANDIDATES.clear()
-        _CANDIDATES[key] = known
-    return list(known)
+    return list(_candidates(override, xdg, os.getuid()))
 
 
-_CANDIDATES: dict[tuple[str, str, int], tuple[Path, ...]] = {}
-
-
-def _candidates(override: str, xdg: str) -> tuple[Path, ...]:
+@functools.lru_cache(maxsize=16)
+def _candidates(override: str, xdg: str, uid: int) -> tuple[Path, ...]:
     if override:
         return (Path(override),)
     if xdg.startswith("/"):
         user = Path(xdg) / "smcd" / "handoff.sock"
     else:
-        user = Path(tempfile.gettempdir()) / f"smcd-{os.getuid()}" / "handoff.sock"
+        user = Path(tempfile.gettempdir()) / f"smcd-{uid}" / "handoff.sock"
     return (user,) if user == SYSTEM_HANDOFF_SOCKET else (user, SYSTEM_HANDOFF_SOCKET)
 
 
