@@ -91,7 +91,7 @@ def spin(
     """Wait for ``ready()`` without sleeping, for at most ``w.spin_ns``. True when it came.
     Between two calls of ``ready()`` (and of the clock) it loads ``hdr[idx]`` eight times and
     compares it with ``old``, the value meaning "nothing yet": the peer's store is seen within
-    a fraction of a microsecond, where each ``ready()`` call alone costs several tenths. A
+    a fraction of a microsecond, where each ``ready()`` call alone costs far more. A
     change of that word returns True at once, unconfirmed: the caller's next data call looks.
 
     Why a spin at all: a ping-pong between two processes on two CPUs turns around in a few
