@@ -6,6 +6,7 @@ in ``verbs.py``/``verbs_mr.py``, and nowhere above them."""
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +54,7 @@ class SendSlotsExhausted(VerbsError):
 # --------------------------------------------------------------------------------------------
 
 _pv: SimpleNamespace | None = None
+_PYVERBS_MODULES = ("device", "enums", "addr", "cq", "mr", "pd", "qp", "wr")
 
 
 def load_pyverbs() -> SimpleNamespace:
@@ -62,20 +64,18 @@ def load_pyverbs() -> SimpleNamespace:
     global _pv
     if _pv is not None:
         return _pv
+    # importlib rather than import statements: pyverbs ships no type information, and its
+    # modules are used as ``Any`` through the namespace below
     try:
-        import pyverbs.device as device  # type: ignore[import-untyped]
-        import pyverbs.enums as enums  # type: ignore[import-untyped]
-        from pyverbs import addr, cq, mr, pd, qp, wr  # type: ignore[import-untyped]
-        from pyverbs.pyverbs_error import PyverbsError  # type: ignore[import-untyped]
+        mods = {name: importlib.import_module(f"pyverbs.{name}") for name in _PYVERBS_MODULES}
+        error = importlib.import_module("pyverbs.pyverbs_error").PyverbsError
     except ImportError as exc:
         raise VerbsUnavailable(
             f"pyverbs cannot be imported ({exc}): install Debian's python3-pyverbs "
             "(rdma-core) and run from /usr/bin/python3 or a venv made with "
             "--system-site-packages"
         ) from exc
-    _pv = SimpleNamespace(
-        e=enums, device=device, addr=addr, cq=cq, mr=mr, pd=pd, qp=qp, wr=wr, Error=PyverbsError
-    )
+    _pv = SimpleNamespace(e=mods.pop("enums"), Error=error, **mods)
     return _pv
 
 
