@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from smcd_daemon.transport.smcr import SmcrTransport
 
 __all__ = [
+    "BUS_RECORD_FILE",
     "PRIVATE_BUS_ADDRESS_FILE",
     "Daemon",
     "StartupError",
@@ -82,6 +83,11 @@ log = logging.getLogger("smcd")
 PRIVATE_BUS_ADDRESS_FILE = "bus.address"
 """With ``dbus.bus = "private"`` smcd starts its own dbus-daemon and writes its address to this
 file in the runtime dir (``smcctl --bus private`` reads it)."""
+
+BUS_RECORD_FILE = "bus"
+"""smcd writes the bus it serves ``org.smcd`` on to this file in the runtime dir (two lines: what
+``dbus.bus`` said, then the address it connected to) and removes it on stop, so that smcctl run
+with the same defaults finds it (see smcd_daemon.cli.discover)."""
 
 _OVERRIDES = {
     "bus": "dbus.bus",
@@ -326,6 +332,7 @@ class Daemon:
         self.store = StateStore(cfg.state_dir / STATE_FILE_NAME)
         self.inventory = DeviceInventory(loopback_enabled=cfg.modes.smcd_loopback)
         self.registry = Registry()
+        systemd.log_fallbacks(self.registry)  # one journal line per fallback, SMC_REASON=...
         # Loaded in _start, where a state file that cannot be read is a start-up error.
         self.pnet: PnetTable | None = None
         self.eids: EidTable | None = None
@@ -451,8 +458,29 @@ class Daemon:
             self.service = None
             raise StartupError(f"{e} (bus: {cfg.dbus.bus})") from e
         self._spawn(self._watch_bus(), "smcd-bus-watch")
+        self._record_bus(address)
+
+    def _record_bus(self, address: str) -> None:
+        """Write :data:`BUS_RECORD_FILE` (best effort: smcctl can still be given --bus)."""
+        from dbus_fast import BusType
+        from dbus_fast._private.address import get_bus_address
+
+        resolved = address
+        if address in ("system", "session"):
+            kind = BusType.SYSTEM if address == "system" else BusType.SESSION
+            resolved = get_bus_address(kind)
+        path = self.cfg.runtime_dir / BUS_RECORD_FILE
+        try:
+            tmp = path.with_name(BUS_RECORD_FILE + ".new")
+            tmp.write_text(f"{self.cfg.dbus.bus}\n{resolved}\n")
+            tmp.chmod(0o644)
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("cannot record the bus in %s: %s", path, e)
 
     async def _shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.cfg.runtime_dir / BUS_RECORD_FILE).unlink()
         for task in list(self._tasks):
             task.cancel()
         if self.service is not None:

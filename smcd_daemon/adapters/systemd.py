@@ -33,11 +33,16 @@ import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smcd_daemon.core.registry import Registry, RegistryEvent
 
 __all__ = [
     "SD_LISTEN_FDS_START",
     "listen_fds",
     "listen_fds_named",
+    "log_fallbacks",
     "notify",
     "run_watchdog",
     "select_listener",
@@ -290,3 +295,65 @@ def setup_logging(
 def monotonic_usec() -> int:
     """CLOCK_MONOTONIC in µs, for ``notify(RELOADING=1, MONOTONIC_USEC=monotonic_usec())``."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallbacks in the journal
+
+fallback_log = logging.getLogger("smcd.fallback")
+
+
+def fallback_fields(event: RegistryEvent) -> dict[str, str] | None:
+    """The journal fields of a connection that has just fallen back to TCP, else None.
+
+    ``SMC_REASON`` is the reason's name (``SMC_CLC_DECL_*``, what ``smcctl explain`` prints), so
+    ``journalctl SMC_REASON=SMC_CLC_DECL_NOUEID`` finds every such fallback; the code, the peer's
+    diagnosis, role, connection id and user come as fields of their own.
+    """
+    from smcd_daemon.core.registry import Connection, ConnMode
+    from smcd_daemon.wire.reasons import explain
+
+    conn, old = event.new, event.old
+    if not isinstance(conn, Connection) or conn.mode is not ConnMode.TCP:
+        return None
+    if conn.fallback_reason == 0:
+        return None
+    if (
+        isinstance(old, Connection)
+        and old.mode is ConnMode.TCP
+        and old.fallback_reason == conn.fallback_reason
+    ):
+        return None  # already reported
+    code = conn.fallback_reason
+    return {
+        "SMC_REASON": explain(code).name or f"0x{code:08x}",
+        "SMC_REASON_CODE": f"0x{code:08x}",
+        "SMC_PEER_DIAGNOSIS": f"0x{conn.peer_diagnosis:08x}",
+        "SMC_ROLE": conn.role.value,
+        "SMC_CONN_ID": str(conn.conn_id),
+        "SMC_UID": str(conn.uid),
+        "SMC_PEER": f"{conn.peer_addr}:{conn.peer_port}",
+    }
+
+
+def log_fallbacks(registry: Registry) -> Callable[[], None]:
+    """Log every fallback once (INFO, logger ``smcd.fallback``) with :func:`fallback_fields` as
+    structured journal fields; returns the unsubscribe function."""
+
+    def on_event(event: RegistryEvent) -> None:
+        fields = fallback_fields(event)
+        if fields is None:
+            return
+        fallback_log.info(
+            "connection %s (%s, uid %s, peer %s) fell back to TCP: %s (%s, peer diagnosis %s)",
+            fields["SMC_CONN_ID"],
+            fields["SMC_ROLE"].lower(),
+            fields["SMC_UID"],
+            fields["SMC_PEER"],
+            fields["SMC_REASON"],
+            fields["SMC_REASON_CODE"],
+            fields["SMC_PEER_DIAGNOSIS"],
+            extra=fields,
+        )
+
+    return registry.subscribe(on_event)

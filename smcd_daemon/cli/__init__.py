@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bus",
         default=argparse.SUPPRESS,
         metavar="BUS",
-        help='"system" (default, or $SMCD_BUS), "session", "private" or a D-Bus address',
+        help='"system", "session", "private" or a D-Bus address (default: $SMCD_BUS, else '
+        "wherever smcd runs: the system bus, the bus it recorded, the session bus)",
     )
     parser.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"

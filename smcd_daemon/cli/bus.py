@@ -11,9 +11,10 @@ denied", and the daemon's own error messages (which already name the rule that w
 printed as they are. Reading needs no privilege; changes need root (the bus policy and the daemon
 both check).
 
-``--bus`` (and ``$SMCD_BUS``): ``system`` (default), ``session``, ``private`` (the bus a daemon
+``--bus`` (and ``$SMCD_BUS``): ``system``, ``session``, ``private`` (the bus a daemon
 started with ``dbus.bus = "private"`` runs; its address is read from ``bus.address`` in the
-runtime dir, ``$SMCD_RUNTIME_DIR`` or the default one) or a D-Bus address.
+runtime dir, ``$SMCD_RUNTIME_DIR`` or the default one) or a D-Bus address. Without either,
+smcctl looks where smcd would be with the same defaults (:mod:`smcd_daemon.cli.discover`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ class SmcdClient:
 
     def __init__(self, bus: str) -> None:
         self.spec = bus
-        if bus in ("system", "session"):
+        if bus == "auto":
+            self.label = "any bus"
+        elif bus in ("system", "session"):
             self.label = f"the {bus} bus"
         elif bus == "private":
             self.label = "its private bus"
@@ -107,6 +110,14 @@ class SmcdClient:
         self._bus: MessageBus | None = None
 
     async def __aenter__(self) -> SmcdClient:
+        if self.spec == "auto":
+            from smcd_daemon.cli.discover import NotFound, find_daemon
+
+            try:
+                self._bus, self.label = await find_daemon()
+            except NotFound as e:
+                raise CliError(str(e)) from None
+            return self
         try:
             if self.spec == "system":
                 bus = MessageBus(bus_type=BusType.SYSTEM)
@@ -124,6 +135,12 @@ class SmcdClient:
                 f"smcd is not running on {self.label} (cannot connect to the bus: {e})"
             ) from None
         return self
+
+    @property
+    def connection(self) -> MessageBus:
+        """The bus connection (for signal subscribers such as ``smcctl monitor``)."""
+        assert self._bus is not None
+        return self._bus
 
     async def __aexit__(self, *exc: object) -> None:
         if self._bus is not None:
@@ -219,7 +236,7 @@ Handler = Callable[[SmcdClient, argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 def _bus_of(args: argparse.Namespace) -> str:
-    return getattr(args, "bus", None) or os.environ.get(ENV_BUS) or "system"
+    return getattr(args, "bus", None) or os.environ.get(ENV_BUS) or "auto"
 
 
 def _json(args: argparse.Namespace) -> bool:
@@ -253,7 +270,8 @@ def register(sub: Any) -> None:
         "--bus",
         default=argparse.SUPPRESS,
         metavar="BUS",
-        help=f'"system" (default, or ${ENV_BUS}), "session", "private" or a D-Bus address',
+        help=f'"system", "session", "private" or a D-Bus address (default: ${ENV_BUS}, else '
+        "wherever smcd runs)",
     )
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
@@ -336,7 +354,16 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("stats", parents=[common], help="counters (smcd stats show|reset)")
     p.add_argument("action", nargs="?", choices=["show", "reset"], default="show")
+    p.add_argument(
+        "--openmetrics",
+        action="store_true",
+        help="counters in the OpenMetrics text format (node-exporter textfile collector)",
+    )
     p.set_defaults(func=_runner(_stats))
+
+    from smcd_daemon.cli import monitor
+
+    monitor.register(sub, common, _runner)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -689,6 +716,11 @@ async def _stats(client: SmcdClient, args: argparse.Namespace) -> int:
         await client.call("StatsReset")
         if _json(args):
             _print_json({"reset": True})
+        return 0
+    if args.openmetrics:
+        from smcd_daemon.cli.metrics import openmetrics
+
+        print(openmetrics(*await client.call("StatsGet"), await client.managed_objects()), end="")
         return 0
     counters, fallbacks = await client.call("StatsGet")
     from smcd_daemon.wire.reasons import explain

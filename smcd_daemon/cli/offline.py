@@ -39,7 +39,8 @@ bytes). Without HEX (or with -) the bytes are read from stdin. Whitespace, colon
 and 0x prefixes are ignored; xxd, hexdump -C and tshark -x style dumps (offset column first, ASCII
 column last) are accepted when the first offset is 0.
 
---json prints {"kind", "message", "length", "hex", "fields", "explanations"}: fields keyed by
+--json prints {"kind", "message", "type", "type_hex", "length", "hex", "fields", "explanations"}:
+type is the message's numeric type on the wire (CLC byte 4, LLC/CDC byte 0); fields keyed by
 the protocol field names; bytes as lowercase hex, MACs as aa:bb:cc:dd:ee:ff, 16-byte GIDs as
 IPv6 text; enums and flags as {"value": N, "name": "NAME"} (flags: "A|B", null for none).
 explanations maps each reason-code field (a Decline's diagnosis, a DELETE LINK reason, an ADD
@@ -235,10 +236,15 @@ def cmd_decode(args: argparse.Namespace) -> int:
     except ProtocolError as exc:
         return _fail("decode", f"{len(data)}-byte input: {exc}")
     explained = _reason_fields(msg)
+    # The message's numeric type as on the wire (CLC: after the 4-byte eyecatcher; LLC and CDC:
+    # the first byte), also for messages whose fields do not carry it (LLC TEST LINK).
+    msg_type = data[4] if kind == "clc" and len(data) > 4 else data[0]
     if getattr(args, "json", False):
         doc = {
             "kind": kind,
             "message": type(msg).__name__,
+            "type": msg_type,
+            "type_hex": f"0x{msg_type:02x}",
             "length": len(data),
             "hex": data.hex(),
             "fields": to_jsonable(msg),
