@@ -7,10 +7,12 @@ No RDMA stack on the host is an ordinary state (most machines): :func:`discover_
 RoCE support has.
 
 Port events: pyverbs' ``Context.get_async_event`` blocks while holding the GIL, so it may only be
-called once the context's ``async_fd`` is readable.  pyverbs 44 does not expose that fd; we read
-it from ``struct ibv_context`` (libibverbs.so.1 ABI: ``device``, 32 ``ops`` pointers, ``cmd_fd``,
-``async_fd``) and check the layout by comparing the ``cmd_fd`` found there with
-``Context.cmd_fd``.  If the check fails we fall back to re-reading the ports periodically.
+called once the context's ``async_fd`` is readable.  pyverbs 44 does not expose that fd, and
+reading the C ``struct ibv_context`` behind ``Context.context`` crashes the interpreter; but
+``ibv_open_device`` opens exactly one new ``anon_inode:[infinibandevent]`` descriptor, so the fd
+that appears while the context is opened is the async fd
+(:func:`~smcd_daemon.transport.verbs.new_event_fd`).  When that is not exactly one, the device's
+ports are re-read periodically instead.
 """
 
 from __future__ import annotations
@@ -307,8 +309,8 @@ class RdmaWatcher:
 
     The periodic check lists sysfs names only; a full rediscovery (which opens every device) runs
     when that list changed, when some device has no async fd, and otherwise once per
-    ``full_rescan_interval`` as a safety net. Opening every device every few seconds cost a
-    fifth of a daemon's time under emulation, for nothing the events did not already say."""
+    ``full_rescan_interval`` as a safety net: opening every device every few seconds is costly
+    (most of all under emulation) and tells nothing the events did not already say."""
 
     def __init__(
         self,
