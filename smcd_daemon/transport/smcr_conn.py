@@ -13,7 +13,7 @@ object. What the channel expects of a peer, the daemon does:
 * **Kicks from the application.** The daemon keeps its own two WAIT words (send-buffer trailer)
   set with a fresh generation after every wakeup, so the application kicks it (eventfd)
   whenever it publishes data or flags (``WAIT``) and when it consumes (``WAIT_SPACE``). The
-  store-then-load race of that handshake (see :mod:`smc_handoff._ring`) is closed the way the
+  store-then-load race of that handshake (see :mod:`smc_handoff.layout`) is closed the way the
   channel closes it: a fence after arming and a second look 1 ms later; a slow sweep of every
   connection backs that up.
 * **Liveness.** The daemon keeps the other end of the application's peer link: the application's
