@@ -103,7 +103,7 @@ class Net:
         self.ns_a, self.ns_b = f"{tag}a", f"{tag}b"
         self.work = work
 
-    def socket(self, ns: str) -> socket.socket:
+    def socket(self, ns: str, family: int = socket.AF_INET) -> socket.socket:
         """A TCP socket created inside namespace ``ns``."""
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
@@ -111,7 +111,7 @@ class Net:
             if _libc.setns(target, _CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), f"setns {ns}")
             try:
-                return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                return socket.socket(family, socket.SOCK_STREAM)
             finally:
                 if _libc.setns(own, _CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), "setns back")

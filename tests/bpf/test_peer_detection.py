@@ -178,6 +178,28 @@ def test_listener_in_another_namespace_is_not_registered(det: Detector, net: Net
         s.close()
 
 
+def test_ipv6(det: Detector, net: Net) -> None:
+    """The SYN-ACK record is keyed by the full 128-bit addresses (here ::1 inside B)."""
+    srv = net.socket(net.ns_b, socket.AF_INET6)
+    srv.bind(("::1", PORT))
+    srv.listen(1)
+    srv.settimeout(5)
+    det.mark_listener(srv)
+    cli = net.socket(net.ns_b, socket.AF_INET6)
+    plain = net.socket(net.ns_b, socket.AF_INET6)
+    assert request_option(cli)
+    cli.settimeout(5)
+    plain.settimeout(5)
+    cli.connect(("::1", PORT))
+    conn, _ = srv.accept()
+    plain.connect(("::1", PORT))
+    conn_plain, _ = srv.accept()
+    assert det.peer_has_option(cli) is True and det.peer_has_option(conn) is True
+    assert det.peer_has_option(plain) is None and det.peer_has_option(conn_plain) is False
+    for s in (cli, conn, plain, conn_plain, srv):
+        s.close()
+
+
 def test_request_option_rules(det: Detector, net: Net) -> None:
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     with pytest.raises(PermissionError):  # only TCP sockets

@@ -207,7 +207,10 @@ class Detector:
         except LibbpfError as exc:
             if mounted:
                 cg.unmount(where)
-            raise DetectionUnavailable(str(exc)) from exc
+            hint = ""
+            if exc.errno == errno.EPERM:  # capabilities are there: seccomp or a LSM said no
+                hint = " (under systemd: SystemCallFilter= must allow bpf)"
+            raise DetectionUnavailable(f"{exc}{hint}") from exc
 
     @classmethod
     def _attach(cls, path: Path, where: Path, mounted: bool) -> Detector:

@@ -65,7 +65,10 @@ class _Lib:
         self.libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, cp, vp]
         self.log: list[str] | None = None
         self.lock = threading.Lock()
-        self._printer = _PRINT_FN(self._print)  # kept alive: libbpf holds the pointer
+        try:  # a libffi closure; should W^X rules refuse it, libbpf logs to stderr instead
+            self._printer = _PRINT_FN(self._print)  # kept alive: libbpf holds the pointer
+        except MemoryError:
+            return
         b.libbpf_set_print(self._printer)
 
     def _proto(self, name: str, res: object, args: list[object]) -> None:
