@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import io
 import multiprocessing
 import os
 import random
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--seed", type=int, default=0x5_3C_D0)
     args = ap.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows in a log file too
     socket_count = args.count if args.socket_count is None else args.socket_count
     ok = True
     started = time.monotonic()
