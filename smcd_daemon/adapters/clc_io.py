@@ -355,7 +355,7 @@ async def drive(
     try:
         while True:
             if step.send:
-                timeout = negotiation.facts.clc_wait
+                timeout = negotiation.clc_wait
                 if answering:
                     answering = False
                     late = await client_gave_up(tcp, timeout)

@@ -58,9 +58,9 @@ from smcd_daemon.core.devices import (
 )
 from smcd_daemon.core.eid import EidTable
 from smcd_daemon.errors import SmcError
-from smcd_daemon.protocol.negotiate import FallbackOutcome
-from smcd_daemon.protocol.negotiate_smcr import (
+from smcd_daemon.protocol.negotiate import (
     ClientSmcrNegotiation,
+    FallbackOutcome,
     LinkGroupRequest,
     ServerSmcrNegotiation,
     SmcrFacts,

@@ -58,6 +58,7 @@ __all__ = [
     "determine_gid",
     "find_route_v2",
     "gid_ipv4",
+    "mac_bytes",
     "match_ueid",
 ]
 
@@ -254,7 +255,7 @@ def gid_ipv4(gid: bytes) -> IPv4 | None:
     return None
 
 
-def _mac_bytes(mac: str | None) -> bytes | None:
+def mac_bytes(mac: str | None) -> bytes | None:
     if mac is None:
         return None
     try:
@@ -315,7 +316,7 @@ def find_route_v2(saddr: IPv4, daddr: IPv4, facts: RoutingFacts) -> V2Route | st
             f"no neighbour (ARP) entry with a MAC for {what} {nexthop} on {devname}; "
             f"SMC-Rv2 needs the next hop's MAC (ping {nexthop} to resolve it)"
         )
-    mac = _mac_bytes(neigh.lladdr)
+    mac = mac_bytes(neigh.lladdr)
     if mac is None:
         return f"the neighbour entry of {what} {nexthop} on {devname} has no usable MAC"
     return V2Route(uses_gateway=gw is not None, nexthop_mac=mac, nexthop=nexthop, oif=route.oif)

@@ -11,7 +11,7 @@
 * the **buffers** (:mod:`smcd_daemon.core.rmb`) and the **connections**
   (:mod:`.smcr_conn`), which relay between the application's channel and CDC messages.
 
-It is also the :class:`~smcd_daemon.protocol.negotiate_smcr.SmcrResources` of the CLC
+It is also the :class:`~smcd_daemon.protocol.negotiate.SmcrResources` of the CLC
 negotiator: link groups are found for reuse (``link_groups``), created for a first contact (the
 first link's QP exists before the Accept/Confirm names it), and RMBs are handed out registered on
 every link of their link group, with a unique RMBE alert token. A new RMB in an existing link
@@ -63,7 +63,7 @@ from smcd_daemon.protocol.linkgroup import (
     LocalPort,
     Role,
 )
-from smcd_daemon.protocol.negotiate_smcr import (
+from smcd_daemon.protocol.negotiate import (
     FirstLink,
     LinkGroupRequest,
     LinkGroupView,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from smcd_daemon.core.rmb import SmcrBuffer
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.linkgroup import LinkGroup, Role
-from smcd_daemon.protocol.negotiate_smcr import LinkGroupRequest
+from smcd_daemon.protocol.negotiate import LinkGroupRequest
 from smcd_daemon.transport.smcr_conn import SmcrConnection
 from smcd_daemon.transport.verbs import VerbsLink, VerbsPort
 from smcd_daemon.wire.reasons import DeclineReason

@@ -48,21 +48,19 @@ from smcd_daemon.protocol.linkgroup import (
     SendLlc,
 )
 from smcd_daemon.protocol.negotiate import (
-    DECL_CLC_TIMEOUT,
-    FallbackOutcome,
-    NegotiationError,
-    NegotiationFacts,
-    SmcdLoopbackOutcome,
-)
-from smcd_daemon.protocol.negotiate_smcr import (
     CLC_WAIT_TIME_SHORT,
+    DECL_CLC_TIMEOUT,
     ClientSmcrNegotiation,
+    FallbackOutcome,
     FirstLink,
     LinkGroupRequest,
     LinkGroupView,
     LinkView,
+    NegotiationError,
+    NegotiationFacts,
     ServerSmcrNegotiation,
     SmcdHalf,
+    SmcdLoopbackOutcome,
     SmcrFacts,
     SmcrOutcome,
     SmcrStep,
