@@ -98,14 +98,14 @@ def compress_size(size: int, *, max_comp: int = SMCD_DMBE_SIZES) -> int:
     ``max_comp``; anything up to 16 KiB (also 0 or negative) is class 0."""
     if size <= SMC_BUF_MIN:
         return 0
-    return min(((size - 1) >> 14).bit_length(), max_comp)
+    return min(((size - 1) // SMC_BUF_MIN).bit_length(), max_comp)
 
 
 def decompress(comp: int) -> int:
-    """Bytes of compressed size class ``comp`` (``smc_uncompress_bufsize``): 1 << (comp + 14)."""
+    """Bytes of compressed size class ``comp`` (``smc_uncompress_bufsize``): 16 KiB << comp."""
     if not 0 <= comp <= 15:
         raise ValueError(f"compressed buffer size {comp} outside 0..15 (4 bits)")
-    return 1 << (comp + 14)
+    return SMC_BUF_MIN << comp
 
 
 class DmbAllocationError(SmcError):
