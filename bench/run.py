@@ -13,6 +13,10 @@ status is 0 when every figure was measured, 1 when something could not be (the t
 Right after the 64 KiB throughput of the three kinds, ``bench/ceiling.c`` (compiled now, see
 ``_ceiling``) measures the same transfer between two C processes over shared memory: the
 ceiling row, what no receiver that reads its data can beat on this machine.
+
+Then the user view (``userview``): unmodified stdlib programs on TCP and under ``smc-run``
+against a second private smcd started with no configuration at all, in a table of its own with
+issue 10's targets. ``--sections user`` runs only that part (``classic`` only the first).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(1, os.fspath(HERE.parent))
 
 import _ceiling  # noqa: E402
 import _measure  # noqa: E402
+import _usertable  # noqa: E402
 from _pairs import KINDS, NotOnSmc  # noqa: E402
 from _table import (  # noqa: E402
     CEILING,
@@ -46,6 +51,7 @@ from _table import (  # noqa: E402
     empty_results,
     render,
 )
+from userview import USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
 
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
 
@@ -247,8 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="configuration for the private smcd (TOML; default: a UEID, nothing else)",
     )
+    ap.add_argument(
+        "--sections",
+        choices=("all", "classic", "user"),
+        default="all",
+        help="the classic table (explicit 1 MiB DMBs, a UEID), the user view, or both",
+    )
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    user_plan = USER_QUICK if args.quick else USER_FULL
     started = time.monotonic()
     host = machine()  # before we load the machine ourselves
 
@@ -257,6 +270,29 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = Bench(plan)
     config = Path(args.smcd_config).read_text() if args.smcd_config else DEFAULT_CONFIG
+    classic = args.sections in ("all", "classic")
+    if classic:
+        run_classic(bench, config, progress)
+    user = None
+    if args.sections in ("all", "user"):
+        user = run_user_view(user_plan, bench.res[CEILING]["tput_64k"], progress)
+    took = time.monotonic() - started
+
+    print(f"smcd benchmark{' (--quick)' if args.quick else ''}: two Python processes per figure")
+    print(f"machine: {host}")
+    if classic:
+        print_classic(bench, plan)
+    if user is not None:
+        print_user_view(user)
+    print(f"run time {took:.0f} s")
+    if args.json:
+        write_json(Path(args.json), bench, plan, user)
+    done = (not classic or bench.complete) and (user is None or user_complete(user))
+    return 0 if done else 1
+
+
+def run_classic(bench: Bench, config: str, progress: Callable[[str], None]) -> None:
+    """The classic table against a private smcd with ``config`` (a UEID by default)."""
     daemon = PrivateSmcd(log_level="warning", config_text=config)
     try:
         try:
@@ -274,10 +310,89 @@ def main(argv: list[str] | None = None) -> int:
             bench.notes.append("the private smcd's log ends with:\n    " + "\n    ".join(tail))
     finally:
         daemon.cleanup()
-    took = time.monotonic() - started
 
-    print(f"smcd benchmark{' (--quick)' if args.quick else ''}: two Python processes per figure")
-    print(f"machine: {host}")
+
+def run_user_view(
+    plan: UserPlan, ceiling: float | None, progress: Callable[[str], None]
+) -> UserView:
+    """The user view against a private smcd with no configuration file (its own daemon, started
+    after the classic one stopped, so the two never share the machine)."""
+    daemon = PrivateSmcd(log_level="warning", config_text="", name="bench-user")
+    view = UserView(plan, daemon.env, None)
+    try:
+        try:
+            daemon.start()
+        except DaemonStartError as e:
+            view.notes.append(f"user view: the private smcd did not start: {e}")
+            return view
+        assert daemon.proc is not None
+        view.smcd_pid = daemon.proc.pid
+        if ceiling is None:  # the classic section did not run: the bulk rows need the bound
+            try:
+                ceiling = _ceiling.measure(
+                    ring=CEILING_RING,
+                    chunk=plan.write,
+                    rbuf=CEILING_RBUF,
+                    volume=plan.bulk_bytes,
+                    warmup=plan.bulk_warmup,
+                    repeats=plan.repeats,
+                )
+            except (_ceiling.CeilingError, OSError) as e:
+                view.notes.append(f"ceiling: {e}")
+        view.run(progress, ceiling)
+        status = daemon.stop()
+        if status not in (0, None):
+            view.notes.append(f"user view: smcd exited with status {status} on SIGTERM")
+    finally:
+        daemon.cleanup()
+    return view
+
+
+def user_rows(plan: UserPlan) -> tuple[_usertable.URow, ...]:
+    return _usertable.rows(plan.idle, plan.concurrency, plan.stride)
+
+
+def user_complete(view: UserView) -> bool:
+    for row in user_rows(view.plan):
+        kinds = ("bound",) if row.bound else ("tcp", "smc")
+        if any(view.res[k].get(row.key) is None for k in kinds):
+            return False
+    return True
+
+
+def print_user_view(view: UserView) -> None:
+    p = view.plan
+    print()
+    print(
+        "user view: the same stdlib program (bench/user_app.py, plain socket) on TCP loopback "
+        "and under smc-run, smcd with NO configuration (embedded defaults)"
+    )
+    print(
+        f"sizes: bulk {p.bulk_bytes >> 20} MiB in {p.write >> 10} KiB sendall()s, recv_into "
+        f"{p.recv >> 10} KiB; round trips {p.rr_rounds:,} after {p.rr_warmup:,}; "
+        f"{p.conns:,} connections after {p.conns_warmup:,}; medians of {p.repeats} runs, "
+        "fresh processes each"
+    )
+    print()
+    print(_usertable.render(user_rows(p), view.res, view.modes))
+    print()
+    if view.memory_detail:
+        parts = [
+            f"{who} {pss / 2**20:.1f}/{rss / 2**20:.1f}"
+            for who, (pss, rss) in sorted(view.memory_detail.items())
+        ]
+        print("memory PSS/RSS MiB of the last run: " + ", ".join(parts))
+    print(
+        "mode = the transport smc-run -v reported for every connection of the row; a row not on "
+        "smcd is NOT met whatever its figures"
+    )
+    for line in view.mode_notes():
+        print(line)
+    for note in view.notes:
+        print(f"note: {note}")
+
+
+def print_classic(bench: Bench, plan: Plan) -> None:
     print(
         f"sizes: throughput {plan.tput_64k_bytes >> 20} MiB per run (median of "
         f"{plan.tput_repeats}), ping-pong {plan.rtt_rounds:,} rounds per run (median of "
@@ -296,27 +411,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     for note in bench.notes:
         print(f"note: {note}")
-    print(f"run time {took:.0f} s")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "machine": machine(),
-                    "plan": plan.__dict__,
-                    "results": bench.res,
-                    "ceiling": {
-                        "source": "bench/ceiling.c",
-                        "ring": CEILING_RING,
-                        "write": 64 << 10,
-                        "read_buffer": CEILING_RBUF,
-                        "smcd_share_64k": ceiling_share(bench.res),
-                    },
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return 0 if bench.complete else 1
+
+
+def write_json(path: Path, bench: Bench, plan: Plan, user: UserView | None) -> None:
+    data: dict[str, object] = {
+        "machine": machine(),
+        "plan": plan.__dict__,
+        "results": bench.res,
+        "ceiling": {
+            "source": "bench/ceiling.c",
+            "ring": CEILING_RING,
+            "write": 64 << 10,
+            "read_buffer": CEILING_RBUF,
+            "smcd_share_64k": ceiling_share(bench.res),
+        },
+    }
+    if user is not None:
+        data["user_view"] = {
+            "plan": user.plan.__dict__,
+            "results": user.res,
+            "modes": user.modes,
+            "memory_pss_rss": user.memory_detail,
+            "met": {
+                row.key: _usertable.met(row, user.res, user.modes)
+                for row in user_rows(user.plan)
+                if row.check is not None
+            },
+        }
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":

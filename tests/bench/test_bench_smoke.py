@@ -1,11 +1,14 @@
-"""``bench/run.py --quick``: the benchmark runs end to end and prints its one table complete.
+"""``bench/run.py --quick``: the benchmark runs end to end and prints its two tables complete.
 
 Checks structure, never speed: every row is there, every figure of every kind was measured (so
 the smcd column really went through a private daemon and a shared-memory channel), every ratio
 was computed, and every target carries a met/not-met mark. The raw figures (``--json``) must
 agree with the table. The ceiling row (``bench/ceiling.c``, compiled and run in the same run)
 must be a number with its ratios, and what the table derives from it (the 64 KiB target's
-"> ceiling" remark, smcd's share of it) must follow from the raw figures.
+"> ceiling" remark, smcd's share of it) must follow from the raw figures. The user view (an
+smcd with no configuration, ``bench/user_app.py`` on TCP and under ``smc-run``): every row has
+both figures, the transport its connections got, and a met column that follows from the raw
+figures and that transport (a fallback is never "met").
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert set(lines[header + 1]) <= {"-", " "}
     body = lines[header + 2 : header + 2 + len(ROWS)]
+    assert "smc-run" not in lines[header], "the classic table comes first"
     for label, line in zip(ROWS, body, strict=True):
         assert line.startswith(label + " "), (label, line)
         rest = line[len(label) :].split()
@@ -125,3 +129,98 @@ def test_quick_bench_prints_a_complete_table(tmp_path: Path) -> None:
     share = data["ceiling"]["smcd_share_64k"]
     assert abs(share - smcd / c) < 1e-9, (share, smcd, c)
     assert f"smcd reaches {share:.0%} of it" in out, out
+
+    check_user_view(out, data, c)
+
+
+USER_ROWS = [
+    # label, unit, target (None: none), kind ("cmp": tcp vs smc-run, "bound": one figure)
+    ("bulk, 64 KiB sendall, receiver only reads", "GB/s", ">= 2.0x tcp, >= 80% of ceiling", "cmp"),
+    ("bound: ceiling (C, shared memory)", "GB/s", None, "bound"),
+    ("bulk, receiver checks every 65th byte", "GB/s", ">= 1.4x tcp", "cmp"),
+    ("bound: that receiver reading memory", "GB/s", None, "bound"),
+    ("round trip 1 B, p50", "us", "<= 0.3x tcp", "cmp"),
+    ("round trip 1 B, p99", "us", None, "cmp"),
+    ("round trip 1 KiB, p50", "us", "<= 0.3x tcp", "cmp"),
+    ("round trip 1 KiB, p99", "us", None, "cmp"),
+    ("round trip 64 KiB, p50", "us", "<= 0.5x tcp", "cmp"),
+    ("round trip 64 KiB, p99", "us", None, "cmp"),
+    ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
+    ("connect p50, one at a time", "us", "<= 500 us", "cmp"),
+    ("connections/s, 4 at a time", "1/s", None, "cmp"),
+    ("memory, 20 idle connections", "MiB", "<= 300 MiB, smcd + apps", "cmp"),
+]
+USER_KEYS = {
+    "bulk, 64 KiB sendall, receiver only reads": "bulk",
+    "bulk, receiver checks every 65th byte": "bulk_work",
+    "round trip 1 B, p50": "rr_1b_p50",
+    "round trip 1 KiB, p50": "rr_1k_p50",
+    "round trip 64 KiB, p50": "rr_64k_p50",
+    "connections/s, one at a time": "conns_1",
+    "connect p50, one at a time": "connect_p50",
+    "memory, 20 idle connections": "memory",
+}
+
+
+def _expected_met(key: str, smc: dict, tcp: dict, bound: dict, mode: str) -> str:
+    """The met column recomputed from the raw figures, independently of bench/_usertable."""
+    s, t = smc[key], tcp[key]
+    ok = {
+        "bulk": s >= 2.0 * t and s >= 0.8 * bound["ceiling"],
+        "bulk_work": s >= 1.4 * t,
+        "rr_1b_p50": s <= 0.3 * t,
+        "rr_1k_p50": s <= 0.3 * t,
+        "rr_64k_p50": s <= 0.5 * t,
+        "conns_1": s >= 1500,
+        "connect_p50": s <= 500,
+        "memory": s <= 300 * 2**20,
+    }[key]
+    why = [] if mode == "smcd" else ["not on smcd"]
+    if key == "bulk" and 2.0 * t > bound["ceiling"]:
+        why.append("2x tcp > ceiling")
+    if key == "bulk_work" and 1.4 * t > bound["work"]:
+        why.append("1.4x tcp > bound")
+    text = "met" if ok and mode == "smcd" else "NOT met"
+    return f"{text} ({'; '.join(why)})" if why else text
+
+
+def check_user_view(out: str, data: dict, ceiling: float) -> None:
+    """The user view (smcd with no configuration, stdlib programs under smc-run): every row
+    measured on both transports, each row's mode reported, the met column follows the figures."""
+    lines = out.splitlines()
+    header = next(
+        i for i, line in enumerate(lines) if line.startswith("metric ") and "smc-run" in line
+    )
+    assert lines[header].split() == [
+        "metric", "unit", "tcp", "smc-run", "smc/tcp", "target", "met", "mode",
+    ]  # fmt: skip
+    assert re.search(r"smcd with NO configuration", out), out
+    body = lines[header + 2 : header + 2 + len(USER_ROWS)]
+    view = data["user_view"]
+    res, modes = view["results"], view["modes"]
+    for (label, unit, target, kind), line in zip(USER_ROWS, body, strict=True):
+        assert line.strip().startswith(label + " "), (label, line)
+        rest = line.strip()[len(label) :].split()
+        assert rest[0] == unit, line
+        if kind == "bound":
+            assert rest[1] == "-" and rest[3] == "-" and re.fullmatch(NUM, rest[2]), line
+            continue
+        assert all(re.fullmatch(NUM, v) for v in rest[1:3]), line
+        assert re.fullmatch(RATIO, rest[3]), line
+        tail = " ".join(rest[4:])
+        key = USER_KEYS.get(label)
+        if target is None:
+            mode = tail
+        else:
+            assert tail.startswith(target + " "), (line, target)
+            expected = _expected_met(key, res["smc"], res["tcp"], res["bound"], modes[key])
+            assert tail[len(target) + 1 :].startswith(expected + " "), (line, expected)
+            mode = tail[len(target) + 1 + len(expected) + 1 :]
+            assert view["met"][key] == expected, (view["met"], key, expected)
+        # the transport every smc-run connection of the row got, as smc-run -v reported it
+        assert re.fullmatch(r"smcd|tcp \(SMC_\w+(, SMC_\w+)*\)|mixed: .+", mode), line
+    for kind in ("tcp", "smc"):
+        assert all(isinstance(v, float) and v > 0 for v in res[kind].values()), res[kind]
+    assert all(isinstance(v, float) and v > 0 for v in res["bound"].values()), res["bound"]
+    assert res["bound"]["ceiling"] == ceiling  # the classic table's ceiling row, this run's
+    assert re.search(r"^memory PSS/RSS MiB of the last run: .*smc smcd ", out, re.M), out

@@ -1,0 +1,350 @@
+"""``make bench``'s user view: what an unmodified program gets from smcd with no configuration.
+
+The programs are ``bench/user_app.py`` (stdlib ``socket``, nothing of smcd). Every figure runs
+them twice in the same run, back to back: as they are (plain TCP loopback) and under ``smc-run
+-v`` against a private smcd started with no configuration file (its embedded defaults: no UEID,
+default buffer sizes), each time as fresh processes, the median of several runs. ``smc-run -v``
+prints the transport of every connection on stderr; each row reports what its connections got
+(``smcd``, or ``tcp`` with the fallback reason), so a fallback is shown as one and never passes
+for acceleration.
+
+The figures (issue 10): bulk 64 KiB ``sendall``s to a receiver that only reads, and to one that
+checks a sample of every read (with that receiver's own bound: the same loop reading memory);
+request/response round trips at 1 B, 1 KiB and 64 KiB; connections per second (connect,
+1-byte echo, close) one at a time and several at a time, with the connect p50; and the
+resident memory (PSS, so shared pages count once) of smcd and both applications holding idle
+connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _usertable import RR_SIZES, Modes, UserResults
+
+HERE = Path(__file__).resolve().parent
+APP = HERE / "user_app.py"
+TIMEOUT = 300.0
+KINDS = ("tcp", "smc")
+
+
+@dataclass(frozen=True)
+class UserPlan:
+    """Every size and count of the user view."""
+
+    bulk_bytes: int
+    bulk_warmup: int
+    repeats: int
+    rr_rounds: int
+    rr_warmup: int
+    conns: int
+    conns_warmup: int
+    idle: int
+    write: int = 64 << 10
+    recv: int = 1 << 20
+    """The receiver's read buffer (``recv_into``), the one of the C ceiling."""
+    stride: int = 65
+    """The checking receiver compares every ``stride``-th byte (one per cache line or so)."""
+    concurrency: int = 4
+
+
+USER_FULL = UserPlan(
+    bulk_bytes=1 << 30,
+    bulk_warmup=64 << 20,
+    repeats=3,
+    rr_rounds=5_000,
+    rr_warmup=500,
+    conns=1_000,
+    conns_warmup=50,
+    idle=1_000,
+)
+USER_QUICK = UserPlan(
+    bulk_bytes=16 << 20,
+    bulk_warmup=2 << 20,
+    repeats=1,
+    rr_rounds=200,
+    rr_warmup=20,
+    conns=40,
+    conns_warmup=4,
+    idle=20,
+)
+
+_VERBOSE = re.compile(
+    r"^smc-run\[\d+\]: (?:connect|accept) \(.*?\): (\w+)(?: conn \d+)?(?: \((.*)\))?$"
+)
+
+
+def smc_run() -> list[str]:
+    """The ``smc-run`` a user has: the console script next to this Python, else the module."""
+    script = Path(sys.executable).parent / "smc-run"
+    return [os.fspath(script)] if script.exists() else [sys.executable, "-m", "smc_handoff.run"]
+
+
+class App:
+    """One run of ``user_app.py``: stdout read line by line, stderr kept in a file."""
+
+    def __init__(self, kind: str, env: dict[str, str], args: list[object]) -> None:
+        argv = [os.fspath(APP), *map(str, args)]
+        cmd = [*smc_run(), "-v", *argv] if kind == "smc" else [sys.executable, *argv]
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by the harness)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=env,
+            text=True,
+            start_new_session=True,  # the echo server's forks go with it
+        )
+        self.what = " ".join(cmd[-len(args) - 1 :])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def line(self, timeout: float = 30.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        text = self.proc.stdout.readline() if ready else ""
+        if not text:
+            self.kill()
+            raise RuntimeError(f"{self.what}: no output ({self.stderr()[-800:]})")
+        return text.strip()
+
+    def port(self) -> int:
+        first = self.line()
+        if not first.startswith("PORT "):
+            self.kill()
+            raise RuntimeError(f"{self.what}: said {first!r}, not PORT n")
+        return int(first.split()[1])
+
+    def result(self) -> dict[str, float]:
+        try:
+            out, _ = self.proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"{self.what}: no result within {TIMEOUT:.0f} s") from None
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{self.what}: exit {self.proc.returncode}: {self.stderr()[-800:]}")
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+    def finish(self) -> None:
+        """Wait for a server that ends by itself (its client is done)."""
+        try:
+            self.proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"{self.what}: did not end") from None
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{self.what}: exit {self.proc.returncode}: {self.stderr()[-800:]}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+    def modes(self) -> Counter[str]:
+        """Each connection end's transport as ``smc-run -v`` reported it, with its reason."""
+        found: Counter[str] = Counter()
+        for line in self.stderr().splitlines():
+            if m := _VERBOSE.match(line):
+                found[m[1] if m[1] != "tcp" else f"tcp ({m[2] or 'no reason given'})"] += 1
+        return found
+
+
+def mode_text(modes: Counter[str]) -> str:
+    """``smcd``; ``tcp (CODE, CODE)`` with the fallback codes of the two ends; or ``mixed: …``."""
+    if not modes:
+        return "no connection reported"
+    transports = Counter(m.split(" ", 1)[0] for m in modes.elements())
+    if len(transports) > 1:
+        return "mixed: " + ", ".join(f"{n} {t}" for t, n in transports.most_common())
+    only = next(iter(transports))
+    if only != "tcp":
+        return only
+    codes = sorted({_CODE.search(m)[0] if _CODE.search(m) else m[5:-1] for m in modes})
+    return f"tcp ({', '.join(codes)})"
+
+
+_CODE = re.compile(r"SMC_CLC_DECL_\w+|SMC_\w+")
+
+
+def memory_of(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) in bytes: PSS splits shared pages (the DMBs smcd and both ends map) among
+    their mappers, so a sum over processes counts each page once."""
+    pss = rss = 0
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == "Pss":
+            pss = int(rest.split()[0]) << 10
+        elif name == "Rss":
+            rss = int(rest.split()[0]) << 10
+    return pss, rss
+
+
+@dataclass
+class UserView:
+    plan: UserPlan
+    smc_env: dict[str, str]
+    """The environment of a user of the private smcd (its handoff socket)."""
+    smcd_pid: int | None
+    res: UserResults = field(default_factory=lambda: {"tcp": {}, "smc": {}, "bound": {}})
+    modes: Modes = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    memory_detail: dict[str, tuple[int, int]] = field(default_factory=dict)
+    reasons: set[str] = field(default_factory=set)
+
+    def env(self, kind: str) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+        return {**base, **self.smc_env} if kind == "smc" else base
+
+    def measure(self, keys: tuple[str, ...], once: Callable[[str], tuple[float, ...]]) -> None:
+        """``once(kind)`` ``repeats`` times per kind, tcp then smc; the median of each figure."""
+        for kind in KINDS:
+            seen: Counter[str] = Counter()
+            runs = []
+            try:
+                for _ in range(self.plan.repeats):
+                    figures, modes = self._once(once, kind)
+                    runs.append(figures)
+                    seen += modes
+                    self.reasons.update(m[5:-1] for m in modes if m.startswith("tcp ("))
+            except (OSError, RuntimeError, ValueError) as e:
+                self.notes.append(f"user view {kind} {'/'.join(keys)}: {e}")
+                continue
+            for i, key in enumerate(keys):
+                self.res[kind][key] = statistics.median(r[i] for r in runs)
+                if kind == "smc":
+                    self.modes[key] = mode_text(seen)
+
+    def _once(
+        self, once: Callable[[str], tuple[float, ...]], kind: str
+    ) -> tuple[tuple[float, ...], Counter[str]]:
+        self._apps: list[App] = []
+        try:
+            figures = once(kind)
+            modes: Counter[str] = Counter()
+            for app in self._apps:
+                modes += app.modes()
+            return figures, modes
+        finally:
+            for app in self._apps:
+                if app.proc.poll() is None:
+                    app.kill()
+                app.err.close()
+
+    def app(self, kind: str, *args: object) -> App:
+        a = App(kind, self.env(kind), list(args))
+        self._apps.append(a)
+        return a
+
+    # the figures, one run each -------------------------------------------------------------
+
+    def bulk(self, stride: int) -> Callable[[str], tuple[float]]:
+        p = self.plan
+
+        def once(kind: str) -> tuple[float]:
+            sink = self.app(kind, "sink", p.bulk_warmup, p.bulk_bytes, p.recv, stride)
+            port = sink.port()
+            sender = self.app(kind, "send", port, p.bulk_warmup, p.bulk_bytes, p.write)
+            rate = sender.result()["bytes_per_s"]
+            sink.finish()
+            return (rate,)
+
+        return once
+
+    def rr(self, size: int) -> Callable[[str], tuple[float, float]]:
+        p = self.plan
+
+        def once(kind: str) -> tuple[float, float]:
+            port = self.app(kind, "echo", 1).port()
+            r = self.app(kind, "rr", port, size, p.rr_rounds, p.rr_warmup).result()
+            return r["p50_us"], r["p99_us"]
+
+        return once
+
+    def conns(self, procs: int) -> Callable[[str], tuple[float, float]]:
+        p = self.plan
+
+        def once(kind: str) -> tuple[float, float]:
+            port = self.app(kind, "echo", procs).port()
+            r = self.app(kind, "conns", port, p.conns, p.conns_warmup, procs).result()
+            return r["rate"], r["connect_p50_us"]
+
+        return once
+
+    def memory(self, kind: str) -> tuple[float]:
+        n = self.plan.idle
+        server = self.app(kind, "hold", n)
+        port = server.port()
+        client = self.app(kind, "open", port, n)
+        if client.line(timeout=TIMEOUT) != "OPEN":
+            raise RuntimeError("the client did not open its connections")
+        time.sleep(0.3)  # the accepting side's last handoffs and the daemon's bookkeeping
+        pids = {"server": server.pid, "client": client.pid}
+        if kind == "smc" and self.smcd_pid is not None:
+            pids["smcd"] = self.smcd_pid
+        detail = {f"{kind} {who}": memory_of(pid) for who, pid in pids.items()}
+        self.memory_detail.update(detail)
+        client.result()  # its stdin closes: the client closes everything, the server follows
+        server.finish()
+        return (float(sum(pss for pss, _ in detail.values())),)
+
+    def bound(self) -> None:
+        """The checking receiver's loop reading from memory (plain Python, no socket)."""
+        p = self.plan
+        runs = []
+        for _ in range(p.repeats):
+            a = App("tcp", self.env("tcp"), ["bound", p.bulk_bytes, p.recv, p.stride])
+            try:
+                runs.append(a.result()["bytes_per_s"])
+            finally:
+                a.err.close()
+        self.res["bound"]["work"] = statistics.median(runs)
+
+    def run(self, progress: Callable[[str], None], ceiling: float | None) -> None:
+        p = self.plan
+        self.res["bound"]["ceiling"] = ceiling
+        progress("user view: bulk, receiver only reads")
+        self.measure(("bulk",), self.bulk(0))
+        progress("user view: bulk, receiver checks a sample")
+        self.measure(("bulk_work",), self.bulk(p.stride))
+        progress("user view: that receiver reading memory")
+        try:
+            self.bound()
+        except (OSError, RuntimeError, ValueError) as e:
+            self.notes.append(f"user view bound: {e}")
+        for size, name, key, _ in RR_SIZES:
+            progress(f"user view: round trips, {name}")
+            self.measure((f"rr_{key}_p50", f"rr_{key}_p99"), self.rr(size))
+        progress("user view: connections, one at a time")
+        self.measure(("conns_1", "connect_p50"), self.conns(1))
+        progress(f"user view: connections, {p.concurrency} at a time")
+        self.measure(("conns_n", "_connect_p50_n"), self.conns(p.concurrency))
+        progress(f"user view: memory, {p.idle:,} idle connections")
+        self.measure(("memory",), self.memory)
+
+    def complete(self, keys: list[str]) -> bool:
+        return all(self.res[k].get(key) is not None for key in keys for k in KINDS)
+
+    def mode_notes(self) -> list[str]:
+        """Every distinct fallback reason in full (the table's mode column has codes only)."""
+        return [f"fallback: {reason}" for reason in sorted(self.reasons)]
