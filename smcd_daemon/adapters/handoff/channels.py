@@ -1,0 +1,301 @@
+"""CHANNEL: the two halves of an SMC-D (loopback-ism) connection meet, get their descriptors, and
+let go. The transitions are :mod:`smcd_daemon.core.handoff_pairs`'; this module holds the
+descriptors they talk about.
+
+Both halves of one TCP connection meet in a *pair* keyed by the 4-tuple (and checked by the two
+DMB tokens each half negotiated). The pair owns the two eventfds and the peer-link socketpair;
+each half is sent its receive DMB, the peer's DMB, its eventfd, the peer's and its end of the
+peer link. The DMB memfds handed out are the pool's own (each sized DMB + the channel's control
+trailer), so reuse, zeroing and quotas apply to exactly what the applications map. The daemon
+closes its copies of the eventfds and peer-link ends once both halves have theirs: it keeps only
+the DMB memfds (in the pool) and the observer's views of their headers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from smc_handoff import messages as m
+from smcd_daemon.core.buffers import UnknownTokenError
+from smcd_daemon.core.handoff_pairs import (
+    CloseLink,
+    CloseShared,
+    DmbOp,
+    DmbRelease,
+    Effect,
+    Half,
+    Pair,
+    PairKey,
+    PairTable,
+    other_role,
+)
+from smcd_daemon.core.registry import (
+    Connection,
+    ConnMode,
+    ConnRole,
+    ConnState,
+    LgrRole,
+    LinkGroup,
+    SmcType,
+)
+from smcd_daemon.errors import SmcError
+from smcd_daemon.protocol.negotiate import FallbackOutcome, SmcdLoopbackOutcome
+from smcd_daemon.wire.reasons import DeclineReason
+
+from .common import Client, log
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .server import HandoffServer
+
+__all__ = ["Channels", "Draft", "PairFds"]
+
+Draft = dict[str, Any]
+"""Keyword arguments of a :class:`Connection` known before the handshake's outcome."""
+
+
+@dataclass(eq=False)
+class PairFds:
+    """The descriptors of one pair: each half's eventfd and peer-link end (the daemon's copies
+    until the halves have theirs), and the pool's memfd of each DMB token."""
+
+    ev: dict[ConnRole, int]
+    link: dict[ConnRole, int]
+    mem: dict[int, int]
+    timer: asyncio.TimerHandle | None = field(default=None)  # waiting for the second half
+
+    def close_link(self, role: ConnRole) -> None:
+        fd = self.link.pop(role, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close_shared(self) -> None:
+        """Close the daemon's copies of the eventfds and any peer-link end not handed out (the
+        memfds belong to the pool)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for fd in [*self.ev.values(), *self.link.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.ev.clear()
+        self.link.clear()
+
+
+def pair_fds(pair: Pair) -> PairFds:
+    fds = pair.res
+    assert isinstance(fds, PairFds)
+    return fds
+
+
+class Channels:
+    """SMC-D channels: their pairs (open to a second half) and their live halves."""
+
+    def __init__(self, server: HandoffServer) -> None:
+        self._srv = server
+        self.pairs = PairTable()
+        self.halves: dict[int, Half] = {}
+        """Live halves with DMBs of ours, by connection id (what the observer refreshes)."""
+
+    @staticmethod
+    def memfds(pair: Pair) -> dict[int, int]:
+        """DMB token → the pool's memfd, for both DMBs of ``pair``."""
+        return pair_fds(pair).mem
+
+    def reply(
+        self,
+        client: Client,
+        draft: Draft,
+        role: ConnRole,
+        key: PairKey,
+        out: SmcdLoopbackOutcome,
+    ) -> bool | FallbackOutcome:
+        """Send ``client`` its CHANNEL; True if its connection now holds the half. When the
+        channel cannot be built, the fallback to reply instead."""
+        srv = self._srv
+        conn_id = draft["conn_id"]
+        tokens = (
+            (out.local_token, out.peer_token)
+            if role is ConnRole.CLIENT
+            else (out.peer_token, out.local_token)
+        )
+        half = Half(
+            conn_id, role, client.uid, out.local_token, out.peer_token,
+            out.local_dmb_size, out.peer_dmb_size,
+        )  # fmt: skip
+        try:
+            pair = self.pairs.claim(key, tokens, role)
+            if pair is None:
+                pair = self._make_pair(key, tokens)
+            self.pairs.join(half, pair)
+            fds = pair_fds(pair)
+            send_fds = [
+                fds.mem[out.local_token], fds.mem[out.peer_token],
+                fds.ev[role], fds.ev[other_role(role)], fds.link[role],
+            ]  # fmt: skip
+        except (SmcError, OSError, KeyError) as e:
+            srv.stats.errors += 1
+            log.error("handoff: %s: cannot build the channel: %s", client.label, e)
+            self.release(half)
+            self.drop(key, str(e))
+            return FallbackOutcome(int(DeclineReason.INTERR), None, True, f"daemon: {e}")
+        client.half = half
+        self.halves[conn_id] = half
+        reply = m.Channel(conn_id, m.Mode.SMCD, half.rx_size, half.tx_size)
+        sent = srv.send(client, reply, send_fds)  # first: the application waits for it
+        srv.deferred.defer(self._count_channel, half, draft, out)
+        # The half has its end of the peer link (or lost it): ours goes now.
+        self._apply(self.pairs.hand_out(pair, role))
+        srv.observer.start()
+        if not sent:
+            return False  # the end of the client's connection releases the half
+        srv.stats.channels += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "handoff: %s: SMC-D connection %d (%s, lgr %#x, rx %d, tx %d)",
+                client.label, conn_id, role.value.lower(), out.link_id, half.rx_size, half.tx_size,
+            )  # fmt: skip
+        return True
+
+    def _make_pair(self, key: PairKey, tokens: tuple[int, int]) -> Pair:
+        """The shared part of a connection, made when its first half is ready: the pool's
+        memfds of both DMBs (sized DMB + control trailer, exactly what the channel maps), two
+        eventfds and the peer-link socketpair."""
+        srv = self._srv
+        mem = {t: srv.pool.get(t).fd for t in tokens}
+        fds: list[int] = []
+        try:
+            flags = os.EFD_CLOEXEC | os.EFD_NONBLOCK
+            ev_c = os.eventfd(0, flags)
+            fds.append(ev_c)
+            ev_s = os.eventfd(0, flags)
+            fds.append(ev_s)
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            link_c, link_s = a.detach(), b.detach()
+        except BaseException:
+            m.close_fds(fds)
+            raise
+        res = PairFds(
+            ev={ConnRole.CLIENT: ev_c, ConnRole.SERVER: ev_s},
+            link={ConnRole.CLIENT: link_c, ConnRole.SERVER: link_s},
+            mem=mem,
+        )
+        pair = self.pairs.open(key, tokens, res)
+        assert srv.loop is not None
+        wait = srv.cfg.timeouts.clc_wait * 2 + 1.0
+        res.timer = srv.loop.call_later(wait, self.drop, key, "the other half never arrived")
+        return pair
+
+    def drop(self, key: PairKey, why: str) -> None:
+        """Forget a pair whose second half will not come: close what was not handed out (the
+        first half then sees its peer link hang up: an abort, never a hang)."""
+        effects = self.pairs.drop(key)
+        if effects is None:
+            return
+        log.info("handoff: pairing %s dropped: %s", key, why)
+        self._apply(effects)
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, CloseLink):
+                pair_fds(eff.pair).close_link(eff.role)
+            elif isinstance(eff, CloseShared):
+                pair_fds(eff.pair).close_shared()
+            else:
+                self._release_dmbs(eff.releases)
+
+    def _release_dmbs(self, releases: tuple[DmbRelease, ...]) -> None:
+        pool = self._srv.pool
+        for rel in releases:
+            with contextlib.suppress(UnknownTokenError):
+                if rel.op is DmbOp.UNREGISTER:
+                    pool.unregister(rel.token)
+                else:
+                    pool.detach(rel.token)
+
+    def _count_channel(self, half: Half, draft: Draft, out: SmcdLoopbackOutcome) -> None:
+        """A channel's record and link group (deferred: the reply did not wait for them)."""
+        srv = self._srv
+        reg = srv.registry
+        lgr_id = out.link_id
+        srv.publisher.keep_lgr(lgr_id)
+        if reg.link_group(lgr_id) is None:
+            reg.add_link_group(
+                LinkGroup(
+                    lgr_id=lgr_id,
+                    # the server half created it (first contact) unless the roles say otherwise
+                    role=LgrRole.SERV
+                    if (half.role is ConnRole.SERVER) == out.first_contact
+                    else LgrRole.CLNT,
+                    smc_type=SmcType.SMCD,
+                    local_gid=srv.loopback.gid128.to_bytes(16, "big"),
+                    peer_gid=out.peer_gid.to_bytes(16, "big"),
+                    chid=out.chid,
+                    netdev="lo",
+                    smc_version=out.version,
+                    smc_release=out.release,
+                    peer_os=3,  # Linux
+                    peer_hostname=srv.hostname[:32],
+                    negotiated_eid=out.negotiated_eid,
+                )
+            )
+        conn = Connection(
+            **draft,
+            mode=ConnMode.SMCD,
+            state=ConnState.ACTIVE,
+            lgr_id=lgr_id,
+            token=half.conn_id & 0xFFFFFFFF,
+            sndbuf_size=out.peer_dmb_size,
+            rmbe_size=out.local_dmb_size,
+            peer_rmbe_size=out.peer_dmb_size,
+        )
+        srv.publisher.add(conn)
+        reg.stats.count_connection(SmcType.SMCD, half.role, out.version)
+
+    # -- notices and release ------------------------------------------------------------------
+
+    def notice(self, half: Half, msg: m.Shutdown | m.Close) -> None:
+        """A SHUTDOWN or CLOSE the application sent (deferred)."""
+        srv = self._srv
+        conn = srv.publisher.connection(half.conn_id)
+        if conn is None:
+            return
+        if isinstance(msg, m.Shutdown):
+            if msg.how in (socket.SHUT_WR, socket.SHUT_RDWR) and conn.state is ConnState.ACTIVE:
+                srv.publisher.update(half.conn_id, state=ConnState.PEERCLOSEWAIT1)
+            return
+        # CLOSE: the hang-up follows at once and removes the record; only the counters matter.
+        srv.observer.refresh_half(half, publish=False)
+        half.closed = True
+
+    def hang_up(self, half: Half) -> None:
+        """The half's handoff connection is gone: release it (deferred)."""
+        self.halves.pop(half.conn_id, None)
+        self._srv.deferred.defer(self._release_record, half)
+
+    def _release_record(self, half: Half) -> None:
+        """A hung-up half's bookkeeping: last counters, record, DMBs, link group."""
+        srv = self._srv
+        if not half.closed:
+            srv.observer.refresh_half(half, publish=False)
+        conn = srv.publisher.remove(half.conn_id)
+        self.release(half)
+        if conn is not None and conn.lgr_id is not None:
+            srv.publisher.maybe_free_lgr(conn.lgr_id)
+
+    def release(self, half: Half) -> None:
+        """Let go of this half's DMB and its reference on the peer's; the pool takes a buffer
+        back once both halves have let go."""
+        self._apply(self.pairs.release(half))
+
+    def close(self) -> None:
+        """The server stops: close what the open pairs hold."""
+        for pair in self.pairs.clear():
+            pair_fds(pair).close_shared()

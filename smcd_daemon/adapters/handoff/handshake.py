@@ -1,0 +1,369 @@
+"""CONNECT and ACCEPT: one CLC handshake over a borrowed TCP descriptor, to its reply.
+
+CONNECT (client half)
+    SMC is tried only toward peers known to speak it: a listener registered here whose address
+    is the TCP peer's (a wildcard listener matches any local address of this network namespace),
+    or an address in the configuration's ``peers``. Otherwise FALLBACK PEERNOSMC before a byte
+    is written. Then the client half is entered in the loopback device's pairing table under its
+    TCP 4-tuple and the CLC handshake runs over the borrowed descriptor (:mod:`..clc_io`).
+ACCEPT (server half)
+    The client's first bytes are peeked, never consumed, for a CLC eyecatcher, for at most
+    ``timeouts.proposal_wait``: other bytes, silence (a client that waits for the server to speak)
+    or EOF hand the socket back untouched with FALLBACK PEERNOSMC. A Proposal runs the server
+    negotiation, which accepts loopback-ism only when the pairing table holds this connection's
+    client half (matched 4-tuple, claimed once): never by GID alone.
+SMC-R
+    Tried only when the daemon hands this server an SMC-R provider (it has one only with
+    ``modes.smcr_v1``/``smcr_v2`` on and an ACTIVE RDMA port), with a peer in the
+    configuration's ``peers`` that is not reached through loopback (not an address of this
+    host, unless policy routing sends traffic to it out of a real netdev) — on both halves.
+    The service (:mod:`..smcr_service`) runs the whole handshake and adds its own registry
+    record; the application gets a channel of mode SMCR whose peer is the daemon itself. An
+    error raised by the service is logged and answered with FALLBACK SMC_CLC_DECL_INTERR.
+FALLBACK
+    With the negotiator's reason (kernel codes; PEERDECL plus the peer's diagnosis when the peer
+    declined). Past a quota: SMC_CLC_DECL_MAX_DMB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from smc_handoff import messages as m
+from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.core.handoff_pairs import IpAddress, PairKey
+from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
+from smcd_daemon.protocol.negotiate import (
+    ClientNegotiation,
+    FallbackOutcome,
+    NegotiationFacts,
+    ServerNegotiation,
+    SmcdLoopbackOutcome,
+)
+from smcd_daemon.transport.loopback import Endpoint, PairingError, endpoint
+from smcd_daemon.wire.cursor import Cursor
+from smcd_daemon.wire.reasons import DeclineReason
+
+from .channels import Draft
+from .common import Client, Refused, clip, fallback_message, log, reason_name
+
+if TYPE_CHECKING:
+    from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
+
+    from .server import HandoffServer
+
+__all__ = ["Handshakes", "SmcrProvider"]
+
+SmcrProvider = Callable[[], "SmcrService | None"]
+"""Gives the SMC-R service when SMC-R may be tried now (modes on, an ACTIVE RDMA port), else
+None; the daemon builds the service on first use."""
+
+_NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
+"""What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
+_ZERO = Cursor()
+_ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
+"""Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
+
+
+def _routed_out(service: SmcrService, local: IpAddress, peer: IpAddress) -> bool:
+    """Does traffic from ``local`` to ``peer`` (an address of this host) leave through a real
+    netdev? Normally not (the local table sends it through ``lo``: loopback-ism territory); only
+    policy routing that sends it out on a wire (two simulated hosts in one namespace) does."""
+    if not (isinstance(local, ipaddress.IPv4Address) and isinstance(peer, ipaddress.IPv4Address)):
+        return False
+    route = service.routing.lookup_route(local, peer)
+    if route is None or route.oif is None:
+        return False
+    dev = service.routing.netdev(route.oif)
+    return dev is not None and dev.name != "lo"
+
+
+class Handshakes:
+    """CONNECT and ACCEPT, each to its reply (see the module docstring)."""
+
+    def __init__(self, server: HandoffServer) -> None:
+        self._srv = server
+        self._facts_cache: dict[tuple[int, bool], NegotiationFacts] = {}
+        self._ip_texts: dict[int, tuple[object, str, bool]] = {}
+
+    def reconfigure(self) -> None:
+        """A reloaded configuration: what we offer is built anew."""
+        self._facts_cache.clear()
+
+    def _facts(self, dmb_hint: int, *, peer_speaks_smc: bool = True) -> NegotiationFacts:
+        """What we offer for this handshake. Facts only change with the configuration (the EID
+        table is shared by reference), so they are built once per (hint, peer) and reused."""
+        key = (dmb_hint, peer_speaks_smc)
+        facts = self._facts_cache.get(key)
+        if facts is not None:
+            return facts
+        srv = self._srv
+        cfg = srv.cfg
+        facts = NegotiationFacts.from_config(
+            cfg,
+            srv.eids,
+            srv.loopback.ism_device() if cfg.modes.smcd_loopback else None,
+            hostname=srv.hostname,
+            peer_speaks_smc=peer_speaks_smc,
+        )
+        if dmb_hint:
+            size = min(max(dmb_hint, cfg.buffers.min_dmb_size), cfg.buffers.max_dmb_size)
+            facts = dataclasses.replace(facts, dmb_size=size)
+        if len(self._facts_cache) >= 64:
+            self._facts_cache.clear()  # hints are the applications' choice: stay bounded
+        self._facts_cache[key] = facts
+        return facts
+
+    def _peer_speaks_smc(self, peer: Endpoint) -> str | None:
+        """Why we may try SMC toward ``peer`` (None: we may not)."""
+        srv = self._srv
+        ip, port, _ = peer
+        why = srv.listeners.why_smc(ip, port, srv.local_addresses.is_local)
+        if why is not None:
+            return why
+        for net in srv.cfg.peers:
+            if ip.version == net.version and ip in net:
+                return f"configured peer network {net}"
+        return None
+
+    def _ip_text(self, ip: IpAddress) -> tuple[str, bool]:
+        """``(str(ip), ip.is_loopback)``, remembered per address object (endpoints share them;
+        hashing an address goes through its text)."""
+        known = self._ip_texts.get(id(ip))
+        if known is not None and known[0] is ip:
+            return known[1], known[2]
+        if len(self._ip_texts) >= 4096:
+            self._ip_texts.clear()
+        text, lo = str(ip), ip.is_loopback
+        self._ip_texts[id(ip)] = (ip, text, lo)
+        return text, lo
+
+    def _new_connection(self, client: Client, role: ConnRole, tcp: BorrowedTcp) -> Draft:
+        """The fields of a handoff's registry record known up front; the record itself is
+        built once, when the outcome is known (one object, one event)."""
+        local, peer = endpoint(tcp.local), endpoint(tcp.peer)
+        cred = client.cred
+        peer_text, peer_lo = self._ip_text(peer[0])
+        return {
+            "conn_id": self._srv.registry.allocate_conn_id(),
+            "role": role,
+            "local_addr": self._ip_text(local[0])[0],
+            "local_port": local[1],
+            "peer_addr": peer_text,
+            "peer_port": peer[1],
+            "netdev": "lo" if peer_lo else "",
+            "uid": cred.uid if cred else 0,
+            "pid": cred.pid if cred else 0,
+            "inode": tcp.inode,
+            **_ZERO_CURSORS,
+        }
+
+    async def handoff(self, client: Client, req: m.Connect | m.Accept, fd: int) -> bool:
+        """Run one handoff to its reply; True if the connection now holds a channel half."""
+        srv = self._srv
+        role = ConnRole.CLIENT if isinstance(req, m.Connect) else ConnRole.SERVER
+        try:
+            tcp = BorrowedTcp(fd)
+        except BorrowedTcpError as e:
+            srv.stats.invalid += 1
+            log.warning("handoff: %s from %s: %s", req.TYPE.name, client.label, e)
+            raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
+        try:
+            draft = self._new_connection(client, role, tcp)
+        except PairingError as e:
+            tcp.close()
+            raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
+        srv.admission.inflight += 1
+        try:
+            if role is ConnRole.CLIENT:
+                outcome = await self._run_client(client, req.dmb_size, tcp)
+            else:
+                outcome = await self._run_server(client, req.dmb_size, tcp)
+        except BaseException:
+            tcp.close()
+            raise
+        finally:
+            srv.admission.inflight -= 1
+        key: PairKey = (endpoint(tcp.local), endpoint(tcp.peer))
+        if role is ConnRole.SERVER:
+            key = (key[1], key[0])
+        tcp.close()  # every copy of the borrowed descriptor is gone before we reply
+        # The one place where the negotiated outcome picks the transport of the reply.
+        if not isinstance(outcome, FallbackOutcome | SmcdLoopbackOutcome):
+            return self._reply_smcr(client, outcome)
+        if isinstance(outcome, FallbackOutcome):
+            srv.channels.drop(key, "the other half fell back")
+            kept = self.reply_fallback(client, draft, outcome)
+        else:  # SMC-D, loopback-ism
+            done = srv.channels.reply(client, draft, role, key, outcome)
+            kept = done if isinstance(done, bool) else self.reply_fallback(client, draft, done)
+        srv.deferred.idle_soon()
+        return kept
+
+    def _smcr_toward(self, tcp: BorrowedTcp) -> SmcrService | None:
+        """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
+        configuration's ``peers`` and not reached through loopback, while the provider has a
+        service (modes, an ACTIVE RDMA port)."""
+        srv = self._srv
+        if srv.smcr is None or not srv.cfg.peers:
+            return None
+        local, peer = endpoint(tcp.local)[0], endpoint(tcp.peer)[0]
+        if not any(peer.version == net.version and peer in net for net in srv.cfg.peers):
+            return None
+        try:
+            service = srv.smcr()
+            if service is None or (
+                srv.local_addresses.is_local(peer) and not _routed_out(service, local, peer)
+            ):
+                return None
+            return service
+        except Exception:
+            srv.stats.errors += 1
+            log.exception("handoff: the SMC-R service is unavailable; using SMC-D/TCP")
+            return None
+
+    def _why_no_smcr(self, tcp: BorrowedTcp) -> str:
+        """Why :meth:`_smcr_toward` did not offer ``tcp`` to SMC-R, in an operator's words (the
+        SMC-D negotiation can only say "no device" to a Proposal that wanted SMC-R)."""
+        srv = self._srv
+        modes = srv.cfg.modes
+        if not (modes.smcr_v1 or modes.smcr_v2):
+            return "SMC-R is switched off here (modes.smcr_v1 and modes.smcr_v2 are false)"
+        if srv.smcr is None:
+            return "this daemon runs without SMC-R"
+        peer = endpoint(tcp.peer)[0]
+        if not any(peer.version == net.version and peer in net for net in srv.cfg.peers):
+            return f"the peer {peer} is not in the configuration's peers"
+        return "no RDMA port is ACTIVE (smcctl device), or the peer is reached through loopback"
+
+    async def _run_smcr(
+        self, client: Client, hint: int, tcp: BorrowedTcp, service: SmcrService, *, server: bool
+    ) -> SmcrChannel | FallbackOutcome:
+        """One SMC-R handshake through ``service`` (on a copy of the borrowed descriptor, which
+        the service closes). Any error it raises is logged and becomes a fallback."""
+        cred = client.cred
+        uid, pid = client.uid, cred.pid if cred else 0
+        fd = os.dup(tcp.fd)
+        try:
+            if server:
+                return await service.accept(fd, rmb_size=hint, uid=uid, pid=pid)
+            return await service.connect(fd, rmb_size=hint, uid=uid, pid=pid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._srv.stats.errors += 1
+            log.exception("handoff: SMC-R %s with %s failed", "accept" if server else "connect",
+                          tcp.peer)  # fmt: skip
+            return FallbackOutcome(int(DeclineReason.INTERR), None, True, clip(f"daemon: {e}"))
+
+    def _reply_smcr(self, client: Client, out: SmcrChannel) -> bool:
+        """CHANNEL of mode SMCR: the service already recorded the connection. The handoff
+        connection stays open (so the library does not take a hang-up for a daemon restart) but
+        holds nothing: the daemon sees closes on the peer link it keeps."""
+        reply = m.Channel(out.conn_id, m.Mode.SMCR, out.fds.rx_size, out.fds.tx_size)
+        try:
+            sent = self._srv.send(client, reply, out.fds.fds())
+        finally:
+            out.fds.close()  # the daemon keeps its own end of the peer link
+        if not sent:
+            return False  # the application's end of the peer link is gone: the service sees it
+        client.smcr_conn = out.conn_id
+        self._srv.stats.channels += 1
+        log.debug("handoff: %s: SMC-R connection %d (lgr %#x, link %d)", client.label,
+                  out.conn_id, out.lgr_id, out.link_id)  # fmt: skip
+        return True
+
+    async def _run_client(
+        self, client: Client, hint: int, tcp: BorrowedTcp
+    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
+        srv = self._srv
+        peer = endpoint(tcp.peer)
+        why = self._peer_speaks_smc(peer)
+        if why is not None:
+            over = srv.admission.over_limit(client.uid, srv.cfg.quota.connections)
+            if over is not None:
+                return FallbackOutcome(
+                    int(DeclineReason.MAX_DMB),
+                    None,
+                    True,
+                    f"uid {client.uid} holds {over[0]} handoff connections; quota.connections "
+                    f"allows {over[1]}",
+                )
+            service = self._smcr_toward(tcp)
+            if service is not None:
+                log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
+                return await self._run_smcr(client, hint, tcp, service, server=False)
+        session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=False)
+        facts = self._facts(hint, peer_speaks_smc=why is not None)
+        if why is not None:
+            log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
+            try:
+                srv.loopback.pairing.register_client(tcp.local, tcp.peer)
+            except PairingError as e:
+                log.warning("handoff: %s; offering no device", e)
+                facts = dataclasses.replace(facts, loopback=None)
+        negotiation = ClientNegotiation(facts, session)
+        try:
+            return await drive(negotiation, tcp, negotiation.start())
+        finally:
+            with contextlib.suppress(PairingError):
+                srv.loopback.pairing.withdraw(tcp.local, tcp.peer)
+
+    async def _run_server(
+        self, client: Client, hint: int, tcp: BorrowedTcp
+    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
+        srv = self._srv
+        wait = srv.cfg.timeouts.proposal_wait
+        seen = await peek_proposal(tcp, wait)
+        if seen.kind != "smc":
+            detail = {
+                "not-smc": "the client's first bytes are not a CLC Proposal: a plain TCP client",
+                "silent": f"no CLC Proposal within {wait:g} s (timeouts.proposal_wait): a plain "
+                "TCP client, or one that waits for the server to speak first",
+                "eof": "the client closed the connection without proposing SMC",
+            }[seen.kind]
+            return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
+        service = self._smcr_toward(tcp)
+        if service is not None:
+            return await self._run_smcr(client, hint, tcp, service, server=True)
+        session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=True)
+        out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
+        if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
+            # only a Proposal with SMC-R ends so on this path: say why SMC-R was not tried
+            why = self._why_no_smcr(tcp)
+            out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
+        return out
+
+    def reply_fallback(self, client: Client, draft: Draft, outcome: FallbackOutcome) -> bool:
+        """FALLBACK: the application keeps its TCP socket. The record stays visible for
+        :data:`~.publisher.FALLBACK_LINGER` seconds (the daemon cannot see it closed)."""
+        srv = self._srv
+        srv.stats.fallbacks += 1
+        code = outcome.reason
+        # The reply first (the application waits for it), the bookkeeping after.
+        srv.send(client, fallback_message(code, outcome.detail, outcome.peer_diagnosis))
+        conn = Connection(
+            **draft,
+            mode=ConnMode.TCP,
+            state=ConnState.ACTIVE,
+            fallback_reason=outcome.reason,
+            peer_diagnosis=outcome.peer_diagnosis or 0,
+        )
+        srv.publisher.add(conn)  # counts the fallback in the stats once published
+        srv.publisher.linger(conn.conn_id)
+        log.info(
+            "handoff: %s stays on TCP: %s (0x%08x%s): %s",
+            client.label,
+            reason_name(code),
+            code,
+            "" if outcome.peer_diagnosis is None else f", peer 0x{outcome.peer_diagnosis:08x}",
+            outcome.detail,
+        )
+        return False

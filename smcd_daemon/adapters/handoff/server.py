@@ -1,0 +1,367 @@
+"""The handoff socket server: accepts handoff connections, reads their requests and routes them
+to the parts of the server that answer them (see the package docstring).
+
+The socket
+    ``AF_UNIX`` ``SOCK_SEQPACKET``, inherited from systemd (``smcd.socket``) or bound here with
+    mode 0666: every local application may hand off; callers are told apart by ``SO_PEERCRED``
+    (read on every connection; the uid decides the quotas and is recorded with each connection),
+    not by file permissions. Datagrams are read whole with ``recvmsg`` into a bounded buffer
+    (:data:`~smc_handoff.messages.MAX_MESSAGE` + 1 bytes, room for
+    :data:`~smc_handoff.messages.MAX_FDS` descriptors, close-on-exec). An invalid datagram is
+    answered with ERROR, logged, its descriptors closed, and that connection closed; nothing a
+    client sends can end the server or disturb another connection.
+One SEQPACKET connection per SMC connection
+    It stays open as long as what it registered: the daemon learns about SHUTDOWN/CLOSE notices
+    through it, and a hang-up (the application closed it, or died) releases that half's
+    resources. A connection past its first request is watched by a reader callback
+    (:mod:`..fdwatch`), not a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from smc_handoff import messages as m
+from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.fdwatch import fd_watch
+from smcd_daemon.config import Config
+from smcd_daemon.core.buffers import DmbPool
+from smcd_daemon.core.eid import EidTable
+from smcd_daemon.core.handoff_admission import Admission
+from smcd_daemon.core.handoff_pairs import ListenerTable
+from smcd_daemon.core.registry import Registry
+from smcd_daemon.transport.loopback import LinkGroupTable, LoopbackIsm
+
+from .channels import Channels
+from .common import (
+    Client,
+    HandoffStats,
+    LocalAddresses,
+    Refused,
+    bind_seqpacket,
+    clip,
+    log,
+    peer_cred,
+)
+from .handshake import Handshakes, SmcrProvider
+from .observer import DmbObserver
+from .publisher import Deferred, Publisher
+from .registrations import Registrations
+
+__all__ = ["MAX_CLIENTS", "HandoffServer"]
+
+MAX_CLIENTS = 16384
+"""Handoff connections served at once (each SMC connection holds one per half); more are closed
+right after accept (and counted). The daemon raises its descriptor limit to match."""
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class HandoffServer:
+    """Serves the handoff socket on the running loop (see the package docstring).
+
+    ``sock`` is a listening SOCK_SEQPACKET socket; ``owns_path`` says whether we bound it (then
+    :meth:`stop` removes the file) or inherited it from systemd (then the socket unit owns the
+    file and it stays). ``config`` defaults to the built-in configuration; :meth:`configure`
+    applies a reloaded one to new connections. ``loopback_gid`` is the 128-bit GID of the
+    loopback-ism device the inventory shows (random when None). ``smcr`` provides the SMC-R
+    service when SMC-R may be tried (None: never).
+
+    The parts, each with its own module: :attr:`handshakes` (CONNECT/ACCEPT), :attr:`channels`
+    (SMC-D pairs and halves), :attr:`registrations` (LISTEN/RESUME), :attr:`observer` (DMB
+    headers), :attr:`publisher` and :attr:`deferred` (registry and bookkeeping off the hot path),
+    :attr:`admission` (per-user counts).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        owns_path: bool,
+        config: Config | None = None,
+        registry: Registry | None = None,
+        eids: EidTable | None = None,
+        loopback_gid: int | None = None,
+        smcr: SmcrProvider | None = None,
+    ) -> None:
+        if config is None:
+            config = Config.model_validate({})
+        self._sock = sock
+        self.owns_path = owns_path
+        name = sock.getsockname()
+        self.path = Path(os.fsdecode(name)) if name else None
+        self._inode = 0
+        if owns_path and self.path is not None:
+            with contextlib.suppress(OSError):
+                self._inode = os.lstat(self.path).st_ino
+        self.stats = HandoffStats()
+        self.cfg = config
+        self.registry = registry if registry is not None else Registry()
+        self.eids = eids if eids is not None else EidTable()
+        self.pool = DmbPool.from_config(config)
+        self.loopback = LoopbackIsm(
+            self.pool,
+            gid128=loopback_gid,
+            link_groups=LinkGroupTable(id_source=self.registry.allocate_lgr_id),
+        )
+        self.hostname = socket.gethostname()
+        self.smcr = smcr
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.admission = Admission()
+        self.listeners = ListenerTable()
+        self.local_addresses = LocalAddresses()
+        self.deferred = Deferred(self)
+        self.publisher = Publisher(self)
+        self.observer = DmbObserver(self)
+        self.channels = Channels(self)
+        self.handshakes = Handshakes(self)
+        self.registrations = Registrations(self)
+        self.pool.on_destroy = self.observer.forget_view
+        self.loopback.reclaim = self.deferred.run  # a DMB short of quota: run the releases first
+        self._clients: set[Client] = set()
+        self._stopped = False
+
+    @classmethod
+    def bind(cls, path: Path, **kw: Any) -> HandoffServer:
+        return cls(bind_seqpacket(path), owns_path=True, **kw)
+
+    def configure(self, config: Config) -> None:
+        """A reloaded configuration: quotas, timeouts, modes and peers apply to new handshakes."""
+        self.cfg = config
+        self.handshakes.reconfigure()
+        self.pool.user_max_bytes = config.quota.buffer_bytes
+        self.pool.user_max_buffers = config.quota.connections
+        self.pool.pool_max_bytes = config.buffers.pool_max_bytes
+        self.pool.pool_max_buffers = config.buffers.pool_max_buffers
+
+    def publish(self) -> None:
+        """Add every pending connection to the registry now."""
+        self.publisher.publish()
+
+    def refresh(self) -> None:
+        """Bring cursors and byte counts of every live SMC connection up to date."""
+        self.observer.refresh()
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._sock.setblocking(False)
+        self.loop.add_reader(self._sock.fileno(), self._on_accept)
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.loop is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._sock.fileno())
+        self.observer.stop()
+        for client in list(self._clients):
+            if client.task is not None:
+                client.task.cancel()
+        for client in list(self._clients):
+            if client.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await client.task
+        for client in list(self._clients):  # those watched past their first request
+            with contextlib.suppress(Exception):
+                self.end_client(client)
+        self.deferred.run()
+        self.channels.close()
+        self.publisher.close()
+        self.pool.close()
+        if self.owns_path and self.path is not None:
+            # Only our own file: a daemon started meanwhile may have replaced a path it found
+            # stale (e.g. after we were stopped and it started before we finished).
+            with contextlib.suppress(OSError):
+                if os.lstat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+        self._sock.close()
+
+    # -- accepting --------------------------------------------------------------------------------
+
+    def _on_accept(self) -> None:
+        for _ in range(64):  # drain a burst, then let the loop breathe
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                # EMFILE/ENFILE/ENOBUFS: keep listening; the client sees its connect fail.
+                self.stats.errors += 1
+                log.warning("handoff: accept failed: %s", e)
+                return
+            self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        self.stats.connections += 1
+        if len(self._clients) >= MAX_CLIENTS:
+            self.stats.refused_connections += 1
+            log.warning("handoff: %d clients already connected; refusing one more", MAX_CLIENTS)
+            conn.close()
+            return
+        conn.setblocking(False)
+        client = Client(conn, peer_cred(conn))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff: connection from %s", client.label)
+        self._clients.add(client)
+        self.admission.hold(client.uid)
+        assert self.loop is not None
+        client.task = self.loop.create_task(self._client_loop(client), name="smcd-handoff")
+
+    # -- one client ---------------------------------------------------------------------------
+
+    async def _readable(self, sock: socket.socket) -> None:
+        assert self.loop is not None
+        fut: asyncio.Future[None] = self.loop.create_future()
+        watch = fd_watch(self.loop)
+        watch.add(sock.fileno(), functools.partial(_wake, fut))
+        try:
+            await fut
+        finally:
+            watch.remove(sock.fileno())
+
+    def _invalid(self, client: Client, e: m.HandoffProtocolError) -> m.Error:
+        """An invalid datagram (its descriptors are already closed): counted, logged, and the
+        ERROR to answer it with."""
+        self.stats.invalid += 1
+        log.warning("handoff: invalid request from %s: %s", client.label, e)
+        return m.Error(e.code, clip(str(e)))
+
+    async def _receive(self, client: Client) -> tuple[m.Request, list[int]] | None:
+        """The next valid request and its descriptors; None at EOF. An invalid datagram raises
+        :class:`Refused`."""
+        while True:
+            try:
+                msg, fds = m.recv_message(client.sock, requests=True)
+            except (BlockingIOError, InterruptedError):
+                await self._readable(client.sock)
+                continue
+            except m.HandoffClosedError:
+                return None
+            except m.HandoffProtocolError as e:
+                raise Refused(self._invalid(client, e)) from None
+            except OSError as e:
+                log.info("handoff: %s: connection failed: %s", client.label, e)
+                return None
+            self.stats.requests += 1
+            return msg, fds  # type: ignore[return-value]
+
+    def send(self, client: Client, reply: m.Reply, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """Send ``reply``; False if the client is gone or does not read its replies."""
+        try:
+            m.send_message(client.sock, reply, list(fds))
+        except (BlockingIOError, InterruptedError):
+            self.stats.errors += 1
+            log.warning("handoff: %s does not read its replies; closing", client.label)
+            return False
+        except OSError as e:
+            log.info("handoff: %s went away before the reply: %s", client.label, e)
+            return False
+        return True
+
+    async def _client_loop(self, client: Client) -> None:
+        """The first request, to its reply. A connection that then holds something (a channel
+        half, a listener, a resumed record) is watched by :meth:`_on_readable` from there on:
+        notices and the hang-up need no task of their own."""
+        watched = False
+        try:
+            first = await self._receive(client)
+            if first is None:
+                return
+            msg, fds = first
+            if isinstance(msg, m.Connect | m.Accept):
+                keep = await self.handshakes.handoff(client, msg, fds[0])
+            elif isinstance(msg, m.Listen):
+                keep = self.registrations.listen(client, fds[0])
+            elif isinstance(msg, m.Resume):
+                keep = self.registrations.resume(client, msg, fds)
+            else:
+                raise Refused(
+                    m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} cannot open a connection")
+                )
+            if keep:
+                assert self.loop is not None
+                client.task = None
+                # Level-triggered: a notice already queued wakes it on the next loop turn.
+                fd_watch(self.loop).add(
+                    client.sock.fileno(), functools.partial(self._on_readable, client)
+                )
+                watched = True
+        except Refused as e:
+            self.send(client, e.reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stats.errors += 1
+            log.exception("handoff: unexpected error serving %s; connection closed", client.label)
+        finally:
+            if not watched:
+                self.end_client(client)
+
+    def _on_readable(self, client: Client) -> None:
+        """A connection past its first request: SHUTDOWN/CLOSE notices, then the hang-up."""
+        if client.watched_done:
+            return
+        try:
+            while True:
+                try:
+                    msg, fds = m.recv_message(client.sock, requests=True)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except m.HandoffClosedError:
+                    break
+                except m.HandoffProtocolError as e:
+                    self.send(client, self._invalid(client, e))
+                    break
+                except OSError as e:
+                    log.info("handoff: %s: connection failed: %s", client.label, e)
+                    break
+                self.stats.requests += 1
+                if fds:
+                    m.close_fds(fds)
+                if isinstance(msg, m.Shutdown | m.Close):
+                    if client.half is not None:
+                        self.deferred.defer(self.channels.notice, client.half, msg)
+                        continue
+                    if client.smcr_conn is not None:
+                        continue  # SMC-R: the daemon sees the close on the peer link it holds
+                self.send(
+                    client, m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now")
+                )
+                break
+        except Exception:
+            self.stats.errors += 1
+            log.exception("handoff: unexpected error serving %s; connection closed", client.label)
+        self.end_client(client)
+
+    def end_client(self, client: Client) -> None:
+        """The connection is over: release what it held and close it (exactly once)."""
+        if client.watched_done:
+            return
+        client.watched_done = True
+        if client.task is None and self.loop is not None:
+            with contextlib.suppress(Exception):
+                fd_watch(self.loop).remove(client.sock.fileno())
+        self._clients.discard(client)
+        self.admission.let_go(client.uid)
+        try:
+            if client.listener is not None:
+                lst, client.listener = client.listener, None
+                self.registrations.unlisten(lst)
+            if client.half is not None:
+                half, client.half = client.half, None
+                self.channels.hang_up(half)
+        finally:
+            client.sock.close()
