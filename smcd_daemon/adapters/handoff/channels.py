@@ -45,6 +45,7 @@ from smcd_daemon.core.registry import (
 )
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import FallbackOutcome, SmcdLoopbackOutcome
+from smcd_daemon.wire.clc import HOSTNAME_LEN
 from smcd_daemon.wire.reasons import DeclineReason
 
 from .common import Client, log
@@ -242,7 +243,7 @@ class Channels:
                     smc_version=out.version,
                     smc_release=out.release,
                     peer_os=3,  # Linux
-                    peer_hostname=srv.hostname[:32],
+                    peer_hostname=srv.hostname[:HOSTNAME_LEN],
                     negotiated_eid=out.negotiated_eid,
                 )
             )

@@ -30,6 +30,7 @@ from smcd_daemon.core.registry import (
     SmcType,
 )
 from smcd_daemon.transport.loopback import PairingError, endpoint
+from smcd_daemon.wire.clc import HOSTNAME_LEN
 from smcd_daemon.wire.reasons import DeclineReason
 
 from .common import Client, Refused, clip, fallback_message, log
@@ -190,7 +191,7 @@ class Registrations:
                     netdev="lo",
                     smc_version=2,
                     peer_os=3,
-                    peer_hostname=srv.hostname[:32],
+                    peer_hostname=srv.hostname[:HOSTNAME_LEN],
                 )
             )
         srv.publisher.keep_lgr(lgr_id)
