@@ -1,4 +1,5 @@
-"""asyncio driver of the sans-IO CLC negotiation over a borrowed TCP socket.
+"""The asyncio driver of the sans-IO CLC negotiation (both roles, SMC-D and SMC-R) over a
+borrowed TCP socket.
 
 The handoff server receives, with SCM_RIGHTS, its own copy of the application's connected TCP
 socket. That copy shares the *open file description* with the application's descriptor, so two
@@ -9,7 +10,7 @@ rules follow:
   ``MSG_DONTWAIT`` (and ``MSG_NOSIGNAL``), and readiness comes from the event loop
   (a reader on :mod:`.fdwatch`, a writer with ``add_writer``, removed before it is closed).
 - **Bytes are shared.** Anything we read is gone for the application. So we read exactly what
-  the negotiator asks for (:attr:`~smcd_daemon.protocol.negotiate.ClientNegotiation.bytes_needed`:
+  the negotiator asks for (:attr:`~smcd_daemon.protocol.negotiate.Negotiation.bytes_needed`:
   the 8-byte header, then the rest of that one message), and a server half first *peeks*
   (``MSG_PEEK``) at the client's first bytes: a plain TCP client's bytes — or its silence, for a
   client that waits for the server to speak first — are left exactly as they were.
@@ -27,16 +28,21 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, Protocol, overload
 
 from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import (
     ClientNegotiation,
     FallbackOutcome,
+    Negotiation,
     Outcome,
+    Server,
     ServerNegotiation,
+    SmcdLoopbackOutcome,
+    SmcrOutcome,
     Step,
     classify_first_bytes,
     peer_decline_fallback,
@@ -49,6 +55,7 @@ from smcd_daemon.wire.reasons import explain
 __all__ = [
     "BorrowedTcp",
     "BorrowedTcpError",
+    "FirstLinkLayer",
     "PeekResult",
     "answer_too_late",
     "client_gave_up",
@@ -300,12 +307,10 @@ async def client_gave_up(tcp: BorrowedTcp, timeout: float) -> bytes | None:
         return None
 
 
-def answer_too_late(negotiation: Any, step: Any, decline: bytes) -> Any:
+def answer_too_late(negotiation: Negotiation, step: Step, decline: bytes) -> Step:
     """What a server half does instead of sending ``step`` when the client had already given
     up (:func:`client_gave_up`): an Accept is treated as sent and the Decline as the client's
-    answer to it (the negotiator releases what the Accept held); our own Decline is not sent.
-    For the SMC-D and the SMC-R server negotiators alike (``receive_data`` and a step with an
-    ``outcome``)."""
+    answer to it (the negotiator releases what the Accept held); our own Decline is not sent."""
     out = step.outcome
     if out is None:
         return negotiation.receive_data(decline)
@@ -325,35 +330,92 @@ def answer_too_late(negotiation: Any, step: Any, decline: bytes) -> Any:
     return Step(outcome=out)
 
 
-async def _send(tcp: BorrowedTcp, step: Step, timeout: float) -> bool:
-    """Send the step's messages; False if the peer is gone or does not read."""
+async def _send(tcp: BorrowedTcp, step: Step, timeout: float) -> str | None:
+    """Send the step's messages; why not, if the peer is gone or does not read."""
     data = step.data
     if not data:
-        return True
+        return None
     try:
         await tcp.write_all(data, timeout)
     except (TimeoutError, _Eof, OSError) as e:
-        log.info("CLC: sending %d bytes to %s failed: %s", len(data), tcp.peer, e or "timeout")
-        return False
-    return True
+        why = str(e) or type(e).__name__
+        log.info("CLC: sending %d bytes to %s failed: %s", len(data), tcp.peer, why)
+        return why
+    return None
 
 
+class FirstLinkLayer(Protocol):
+    """What :func:`drive` needs of the SMC-R link layer for a first contact."""
+
+    def begin_first_link(self, outcome: SmcrOutcome) -> None:
+        """The peer's QP is known: ours goes to RTR (client, before its Confirm leaves) or
+        RTS with LLC CONFIRM LINK sent (server). Raises SmcError when it cannot."""
+        ...
+
+    async def wait_first_link(self, outcome: SmcrOutcome, timeout: float) -> str | None:
+        """None once LLC CONFIRM LINK completed, else why not."""
+        ...
+
+
+@overload
 async def drive(
     negotiation: ClientNegotiation | ServerNegotiation,
     tcp: BorrowedTcp,
     first: Step | None = None,
-) -> Outcome:
-    """Run ``negotiation`` over ``tcp`` to its outcome.
+) -> SmcdLoopbackOutcome | FallbackOutcome: ...
 
-    ``first`` is the step a client got from :meth:`ClientNegotiation.start` (a server starts by
-    waiting). Reads exactly what the negotiator asks for; a timeout, EOF or a failed write is
-    reported to it and ends in its fallback outcome (with a Decline sent where it says so, on a
-    best-effort basis). Cancelling the task aborts the negotiation (its resources are released).
+
+@overload
+async def drive(
+    negotiation: Negotiation,
+    tcp: BorrowedTcp,
+    first: Step | None = None,
+    *,
+    link: FirstLinkLayer | None = None,
+    link_wait: float = 15.0,
+    gate: Callable[[], Awaitable[None]] | None = None,
+) -> Outcome: ...
+
+
+async def drive(
+    negotiation: Negotiation,
+    tcp: BorrowedTcp,
+    first: Step | None = None,
+    *,
+    link: FirstLinkLayer | None = None,
+    link_wait: float = 15.0,
+    gate: Callable[[], Awaitable[None]] | None = None,
+) -> Outcome:
+    """Run ``negotiation`` (either role, any devices) over ``tcp`` to its outcome.
+
+    ``first`` is the step a client got from ``start()`` (a server starts by waiting). Reads
+    exactly what the negotiator asks for; a timeout, EOF or a failed write is reported to it and
+    ends in its fallback outcome (with a Decline sent where it says so, on a best-effort basis).
+    Cancelling the task aborts the negotiation (its resources are released).
+
+    SMC-R adds two things. ``link`` readies a first contact's link: before the client's Confirm
+    leaves, and LLC CONFIRM LINK (``link_wait`` seconds) after it; when the link does not come
+    up the negotiation is told (``link_failed``) and the loop goes on to its fallback. ``gate``
+    is awaited before each received message is acted on (the link-group lock of the role,
+    ``smc_client_lgr_pending``/``smc_server_lgr_pending``), and held by the caller after.
     """
     step = first if first is not None else Step()
-    answering = isinstance(negotiation, ServerNegotiation)  # our answer to the Proposal is due
+    answering = isinstance(negotiation, Server)  # our answer to the Proposal is due
+    link_checked = False
     try:
         while True:
+            out = step.outcome
+            confirm_link: SmcrOutcome | None = None
+            if link is not None and isinstance(out, SmcrOutcome) and not link_checked:
+                confirm_link = out if out.confirm_link else None
+            if confirm_link is not None:
+                assert link is not None
+                try:
+                    link.begin_first_link(confirm_link)
+                except SmcError as e:
+                    link_checked = True
+                    step = negotiation.link_failed(str(e))
+                    continue
             if step.send:
                 timeout = negotiation.clc_wait
                 if answering:
@@ -362,8 +424,21 @@ async def drive(
                     if late is not None:
                         step = answer_too_late(negotiation, step, late)
                         continue
-                if not await _send(tcp, step, timeout) and step.outcome is None:
+                failed = await _send(tcp, step, timeout)
+                if failed is not None and confirm_link is not None:
+                    link_checked = True
+                    step = negotiation.link_failed(f"sending the CLC message failed: {failed}")
+                    continue
+                if failed is not None and step.outcome is None:
                     step = negotiation.on_eof()
+                    continue
+            if confirm_link is not None:
+                assert link is not None
+                link_checked = True
+                why = await link.wait_first_link(confirm_link, link_wait)
+                if why is not None:
+                    log.info("SMC-R first link to %s failed: %s", tcp.peer, why)
+                    step = negotiation.link_failed(why)
                     continue
             if step.outcome is not None:
                 return step.outcome
@@ -383,6 +458,8 @@ async def drive(
                 log.info("CLC: reading from %s failed: %s", tcp.peer, e)
                 step = negotiation.on_eof()
                 continue
+            if gate is not None:
+                await gate()
             step = negotiation.receive_data(data)
     except asyncio.CancelledError:
         if not negotiation.done:

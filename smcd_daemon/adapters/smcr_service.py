@@ -41,12 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smc_handoff.channel import ChannelFds
-from smcd_daemon.adapters.clc_io import (
-    BorrowedTcp,
-    answer_too_late,
-    client_gave_up,
-    peek_proposal,
-)
+from smcd_daemon.adapters.clc_io import BorrowedTcp, drive, peek_proposal
 from smcd_daemon.core import registry as reg
 from smcd_daemon.core.devices import (
     DeviceEvent,
@@ -62,10 +57,12 @@ from smcd_daemon.protocol.negotiate import (
     ClientSmcrNegotiation,
     FallbackOutcome,
     LinkGroupRequest,
+    Negotiation,
+    Outcome,
     ServerSmcrNegotiation,
     SmcrFacts,
     SmcrOutcome,
-    SmcrStep,
+    Step,
 )
 from smcd_daemon.protocol.smcr_route import InventoryRouting, NetDeviceLike, RouteLike
 from smcd_daemon.transport.smcr import AltPort, SmcrTransport
@@ -126,7 +123,7 @@ class KernelRouting:
 
     The negotiator's facts are synchronous, and pyroute2's synchronous ``IPRoute`` refuses to
     run inside a running event loop, so the queries run on one worker thread with its own
-    ``IPRoute`` and the caller waits for the answer (netlink answers in microseconds)."""
+    ``IPRoute`` and the caller waits for the answer."""
 
     def __init__(self, inventory: DeviceInventory, *, timeout: float = 2.0) -> None:
         self._inv = InventoryRouting(inventory)
@@ -375,8 +372,8 @@ class SmcrService:
             neg = ClientSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
                                         self.transport)  # fmt: skip
             # as smc_connect_rdma: the Proposal goes out and the Accept comes in unlocked
-            outcome = await self._drive(neg, tcp, neg.start(), pending)
-            return self._finish(neg, outcome, tcp, reg.ConnRole.CLIENT, uid, pid)
+            outcome = await self._drive(neg, tcp, pending, neg.start())
+            return self._finish(outcome, tcp, reg.ConnRole.CLIENT, uid, pid)
         finally:
             pending.release()
             tcp.close()
@@ -399,92 +396,31 @@ class SmcrService:
                 local, peer = _ip(tcp.local), _ip(tcp.peer)
                 neg = ServerSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
                                             self.transport)  # fmt: skip
-                outcome = await self._drive(neg, tcp, None, pending)
-                return self._finish(neg, outcome, tcp, reg.ConnRole.SERVER, uid, pid)
+                outcome = await self._drive(neg, tcp, pending)
+                return self._finish(outcome, tcp, reg.ConnRole.SERVER, uid, pid)
             finally:
                 pending.release()
         finally:
             tcp.close()
 
     async def _drive(
-        self,
-        neg: ClientSmcrNegotiation | ServerSmcrNegotiation,
-        tcp: BorrowedTcp,
-        step: SmcrStep | None,
-        pending: _Pending,
-    ) -> Any:
-        """``clc_io.drive`` plus the link layer: RTR before a first-contact client's Confirm,
-        CONFIRM LINK after the handshake, ``link_failed`` when it does not come up. ``pending``
-        is taken before the peer's first message is acted on (the Proposal for a server, the
-        Accept for a client) and held by the caller to the end of the handshake."""
-        step = step or SmcrStep()
-        link_checked = False
-        answering = isinstance(neg, ServerSmcrNegotiation)  # our answer to the Proposal is due
-        try:
-            while True:
-                out = step.outcome
-                first = isinstance(out, SmcrOutcome) and out.first_contact and not link_checked
-                if first:
-                    assert isinstance(out, SmcrOutcome)
-                    try:
-                        self.transport.begin_first_link(out)
-                    except SmcError as e:
-                        step = neg.link_failed(str(e))
-                        link_checked = True
-                        continue
-                if step.send and answering:
-                    answering = False
-                    late = await client_gave_up(tcp, self.clc_wait)
-                    if late is not None:
-                        step = answer_too_late(neg, step, late)
-                        continue
-                if step.send:
-                    try:
-                        await tcp.write_all(step.data, self.clc_wait)
-                    except Exception as e:  # EOF, reset, timeout
-                        log.info("CLC: sending to %s failed: %s", tcp.peer, e or "timeout")
-                        if step.outcome is None or first:
-                            if first:
-                                link_checked = True
-                                step = neg.link_failed(f"sending the CLC message failed: {e}")
-                                continue
-                            step = neg.on_eof()
-                            continue
-                if first:
-                    assert isinstance(out, SmcrOutcome)
-                    link_checked = True
-                    why = await self.transport.wait_first_link(out, self.confirm_link_wait)
-                    if why is not None:
-                        log.info("SMC-R first link to %s failed: %s", tcp.peer, why)
-                        step = neg.link_failed(why)
-                        continue
-                if step.outcome is not None:
-                    return step.outcome
-                need = neg.bytes_needed
-                if need <= 0:
-                    step = neg.abort("negotiator waits for nothing")
-                    continue
-                try:
-                    data = await tcp.read_exactly(need, neg.timeout or 0.0)
-                except TimeoutError:
-                    step = neg.on_timeout()
-                    continue
-                except Exception as e:  # EOF or a socket error
-                    log.debug("CLC: reading from %s: %r", tcp.peer, e)
-                    step = neg.on_eof()
-                    continue
-                await pending.acquire()
-                step = neg.receive_data(data)
-        except asyncio.CancelledError:
-            if not neg.done:
-                with contextlib.suppress(Exception):
-                    neg.abort("the handoff was cancelled")
-            raise
+        self, neg: Negotiation, tcp: BorrowedTcp, pending: _Pending, first: Step | None = None
+    ) -> Outcome:
+        """:func:`~.clc_io.drive` with the link layer (CONFIRM LINK for a first contact) and
+        the role's link-group lock, taken before the peer's first message is acted on (the
+        Proposal for a server, the Accept for a client) and held by the caller to the end."""
+        return await drive(
+            neg,
+            tcp,
+            first,
+            link=self.transport,
+            link_wait=self.confirm_link_wait,
+            gate=pending.acquire,
+        )
 
     def _finish(
         self,
-        neg: ClientSmcrNegotiation | ServerSmcrNegotiation,
-        outcome: Any,
+        outcome: Outcome,
         tcp: BorrowedTcp,
         role: reg.ConnRole,
         uid: int,
