@@ -1,13 +1,17 @@
 """The pair/half life cycle of handed-off SMC-D connections, in-process (no sockets, no loop):
 pairing, both halves served, one half gone, drops and mismatches, DMBs released only when both
-halves let go; the listener table; per-user admission counts."""
+halves let go; the listener table; per-user admission counts; and the DMB observer's reading of
+the header the channel writes (a real memfd, the shared layout)."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 
 import pytest
 
+from smc_handoff import layout
+from smcd_daemon.adapters.handoff.observer import DmbView, advance, read_header
 from smcd_daemon.core.handoff_admission import Admission, session_limit
 from smcd_daemon.core.handoff_pairs import (
     CloseLink,
@@ -24,6 +28,8 @@ from smcd_daemon.core.handoff_pairs import (
     ReleaseDmbs,
 )
 from smcd_daemon.core.registry import ConnRole
+from smcd_daemon.wire.cdc import ConnStateFlag, ProducerFlag, SmcdCdcHeader
+from smcd_daemon.wire.cursor import Cursor
 
 CLIENT, SERVER = ConnRole.CLIENT, ConnRole.SERVER
 IP_A = ipaddress.ip_address("192.0.2.1")
@@ -270,3 +276,50 @@ def test_admission_counts_per_user_and_the_session_limit() -> None:
     adm.let_go(0)
     adm.let_go(0)  # more hang-ups than connections never go negative
     assert adm.held(0) == 0
+
+
+# -- the DMB observer -------------------------------------------------------------------------
+
+
+def test_observer_reads_the_header_the_channel_and_the_wire_codec_write() -> None:
+    size = layout.DMB_SIZES[0]
+    fd = layout.create_dmb(size)
+    try:
+        view = DmbView(fd)
+        try:
+            assert read_header(view.words()) is None  # zeroed: nothing written yet
+            with layout.map_dmb(fd, size) as buf:
+                # as the channel writes it (whole words, the shared layout)
+                buf[: layout.CDC_HEADER_LEN] = layout.encode_header(
+                    (3, 70000), (2, 12345), 0, int(ConnStateFlag.PEER_DONE_WRITING)
+                )
+                assert read_header(view.words()) == (
+                    (3, 70000), (2, 12345), int(ConnStateFlag.PEER_DONE_WRITING),
+                )  # fmt: skip
+                # as the wire codec encodes struct smcd_cdc_msg: the same fields come back
+                hdr = SmcdCdcHeader(
+                    Cursor(0xFFFF, size - layout.CDC_HEADER_LEN - 1),
+                    Cursor(1, 0),
+                    ProducerFlag.WRITE_BLOCKED,
+                    ConnStateFlag.PEER_CONN_ABORT | ConnStateFlag.PEER_CONN_CLOSED,
+                )
+                hdr.encode_into(buf)
+                prod, cons, flags = read_header(view.words()) or ((0, 0), (0, 0), 0)
+                assert prod == (0xFFFF, size - layout.CDC_HEADER_LEN - 1) and cons == (1, 0)
+                assert flags == int(hdr.conn_state_flags)
+        finally:
+            view.close()
+        with pytest.raises(ValueError, match="closed"):
+            view.words()
+    finally:
+        os.close(fd)
+
+
+def test_observer_counts_bytes_across_wraps() -> None:
+    ring = layout.DMB_SIZES[0] - layout.CDC_HEADER_LEN
+    assert advance(ring, (0, 0), (0, 100)) == 100
+    assert advance(ring, (0, ring - 10), (1, 5)) == 15  # across one wrap
+    assert advance(ring, (0xFFFF, ring - 1), (0, 1)) == 2  # the 16-bit wrap counter rolls over
+    assert advance(ring, (0, 0), (3, 0)) == 3 * ring  # several wraps between two refreshes
+    assert advance(ring, (5, 10), (5, 10)) == 0
+    assert advance(ring, (5, 10), (5, 9)) == 0  # a cursor that went back is not counted
