@@ -110,7 +110,7 @@ def test_rejects_bad_text_and_flags() -> None:
         "is not a reason name": head + b"\x00\x02A-\x00\x00",
         "limit 1024": head + b"\x00\x01A\x04\x01" + b"a" * 1025,
         "explanation truncated": head + b"\x00\x01A\x00\x09abc",
-        "unknown flag bits": bytes.fromhex("030100000200000000") + b"\x00\x01A\x00\x00",
+        "unknown flag bits": bytes.fromhex("030100000400000000") + b"\x00\x01A\x00\x00",
         "without its flag": bytes.fromhex("030100000000000001") + b"\x00\x01A\x00\x00",
     }
     for match, body in cases.items():
