@@ -1,0 +1,36 @@
+"""Host-side fixture of the systemd VM suite: one ``vng --systemd`` boot per pytest session.
+
+The guest tests under ``guest/`` run only inside the VM (tests/systemd/harness.py explains how);
+the host shows each as ``test_in_systemd_vm[<name>]``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.systemd.harness import REPO, SystemdVmRun, boot
+from tests.vm.kernel import KernelError, ensure_kernel
+
+collect_ignore = ["guest"]
+
+
+@pytest.fixture(scope="session")
+def systemd_vm(tmp_path_factory: pytest.TempPathFactory) -> SystemdVmRun:
+    outdir = tmp_path_factory.mktemp("systemd-vm")
+    run = SystemdVmRun(outdir)
+    # The guest installs from the wheelhouse (it has no network): build it here, from PyPI.
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(REPO), "wheels"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    if done.returncode != 0:
+        run.error = f"make wheels failed:\n{done.stdout}\n{done.stderr}"
+        return run
+    try:
+        kernel = ensure_kernel()
+    except KernelError as e:
+        run.error = f"cannot get the VM kernel: {e}"
+        return run
+    return boot(kernel, outdir)

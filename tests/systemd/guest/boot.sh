@@ -1,0 +1,49 @@
+#!/bin/sh
+# Runs inside the systemd VM as smcd-vm-test.service (tests/systemd/harness.py writes the unit;
+# the VM powers off when it ends). Argument: the checkout. systemd is PID 1 on the host's root,
+# shared read-only: this script mounts the host's result directory
+# (the vng --rwdir export, which only virtme's own init would mount), puts tmpfs-backed overlays
+# on /usr, /etc, /var and the checkout so that `make install` can write where a real install
+# writes, then runs the guest tests (tests/systemd/guest) with pytest.
+set -u
+arg() { tr ' ' '\n' </proc/cmdline | sed -n "s/^$1=//p" | head -n 1; }
+out="/$(arg virtme_initmount0)"
+fstype="$(arg virtme_initmount0_fstype)"
+repo="$1"
+echo "smcd-systemd-vm: results in $out ($fstype), checkout $repo"
+# /tmp first (the result directory usually lives under the host's /tmp).
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mkdir -p "$out"
+if [ "$fstype" = virtiofs ]; then
+    mount -t virtiofs virtme.initmount0 "$out"
+else
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576 virtme.initmount0 "$out"
+fi || { echo "smcd-systemd-vm: cannot mount the result directory"; exit 1; }
+log="$out/boot.log"
+exec >>"$log" 2>&1
+echo "boot.sh: $(date) uptime $(cut -d' ' -f1 /proc/uptime)"
+
+modprobe overlay
+rw=/run/smcd-vm-rw
+mkdir -p "$rw" && mount -t tmpfs -o size=1500M,mode=0755 tmpfs "$rw"
+for dir in /usr /etc /var "$repo"; do
+    name=$(echo "$dir" | tr / _)
+    mkdir -p "$rw/$name/upper" "$rw/$name/work"
+    mount -t overlay overlay \
+        -o "lowerdir=$dir,upperdir=$rw/$name/upper,workdir=$rw/$name/work" "$dir" \
+        || { echo "boot.sh: overlay on $dir failed"; echo '{"setup_error": "overlay on '"$dir"' failed"}' >"$out/guest.json"; exit 1; }
+done
+# dbus-daemon and systemd read their configuration from the overlays from now on.
+systemctl daemon-reload
+
+cd "$repo" || exit 1
+echo "{\"uptime_at_tests\": $(cut -d' ' -f1 /proc/uptime), \"systemd\": \"$(systemctl --version | head -n 1)\"}" >"$out/guest.json"
+export HOME=/root PYTHONDONTWRITEBYTECODE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+export SMCD_VM_REPORT="$out/results.jsonl" SMCD_SYSTEMD_VM_OUT="$out"
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+"$repo/.venv/bin/python" -m pytest -p pytest_timeout -p no:cacheprovider \
+    -p tests.vm.guest_report --rootdir "$repo" --confcutdir "$repo/tests/systemd/guest" \
+    --timeout=240 -v "$repo/tests/systemd/guest" >"$out/guest-pytest.log" 2>&1
+echo "boot.sh: pytest exited $? at uptime $(cut -d' ' -f1 /proc/uptime)"
+journalctl -b --no-pager -o short-monotonic >"$out/journal.txt" 2>&1
+sync

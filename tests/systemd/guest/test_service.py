@@ -1,0 +1,382 @@
+"""smcd as a system service, inside the systemd VM (systemd is PID 1; see tests/systemd/harness.py).
+
+The tests run in file order and build on each other, as an administrator would work: install
+with the README's commands, then socket activation, notify status, D-Bus, the policy, an
+unprivileged application, the journal, reload, the watchdog, stop, the security score and the
+uninstall. Everything is checked with the real tools (systemctl, busctl, journalctl, smcctl) and,
+where the issue says so, as the unprivileged user ``nobody``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+APP = Path(__file__).resolve().parent / "app.py"
+OUT = Path(os.environ.get("SMCD_SYSTEMD_VM_OUT", "/tmp"))
+CONFIG = Path("/etc/smcd/smcd.toml")
+UEID = "SMCD-SITE-1"  # the README's install block puts it in smcd.toml
+#: The client waits this long for smcd's answer: the first handoff starts smcd (Python start-up
+#: under TCG), which takes far longer than on real hardware.
+HANDOFF_TIMEOUT = "180"
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+AS_DAEMON_USER = ["setpriv", "--reuid=daemon", "--regid=daemon", "--clear-groups"]
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 180, user: Sequence[str] = ()) -> str:
+    env = dict(os.environ, SMCD_HANDOFF_TIMEOUT=HANDOFF_TIMEOUT)
+    env.pop("SMCD_VM_REPORT", None)
+    r = subprocess.run(
+        [*user, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd="/"
+    )
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def run(
+    *argv: str, user: Sequence[str] = (), timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, SMCD_HANDOFF_TIMEOUT=HANDOFF_TIMEOUT)
+    env.pop("SMCD_VM_REPORT", None)
+    return subprocess.run(
+        [*user, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd="/"
+    )
+
+
+def prop(unit: str, name: str) -> str:
+    return sh("systemctl", "show", "-P", name, unit).strip()
+
+
+def wait_for(what: str, check: Any, timeout: float = 120.0, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def journal(*args: str) -> str:
+    return sh("journalctl", "--no-pager", "-u", "smcd.service", *args)
+
+
+class App:
+    """tests/systemd/guest/app.py under smc-run as an unprivileged user, driven line by line."""
+
+    def __init__(self, user: Sequence[str] = AS_NOBODY) -> None:
+        env = dict(os.environ, SMCD_HANDOFF_TIMEOUT=HANDOFF_TIMEOUT, HOME="/")
+        env.pop("SMCD_VM_REPORT", None)
+        self.stderr = open(OUT / f"app-{time.monotonic_ns()}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*user, "smc-run", "-v", "/usr/bin/python3", str(APP)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            env=env, cwd="/",
+        )  # fmt: skip
+        self.pid = self.ask_line()["pid"]
+
+    def ask_line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"app exited: {Path(self.stderr.name).read_text()}")
+        return dict(json.loads(line))
+
+    def ask(self, **req: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        reply = self.ask_line()
+        if "error" in reply:
+            raise AssertionError(f"app: {req} -> {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write('{"op": "quit"}\n')
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+@pytest.fixture
+def app() -> Iterator[App]:
+    a = App()
+    yield a
+    a.close()
+
+
+def readme_install_commands() -> list[str]:
+    """The shell commands of the README's install block (```sh after "### Install")."""
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"^### Install\b.*?```sh\n(.*?)```", text, re.S | re.M)
+    assert m, "README.md has no '### Install' section with a sh block"
+    cmds = []
+    for line in m.group(1).splitlines():
+        line = line.split("  #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            cmds.append(line)
+    return cmds
+
+
+# -- install -----------------------------------------------------------------------------------
+
+
+def test_install_as_the_readme_says() -> None:
+    """The README's install block, run as it stands (in the checkout, as root)."""
+    cmds = readme_install_commands()
+    assert any(c.startswith("make install") for c in cmds), cmds
+    assert not Path("/usr/bin/smcd").exists()
+    for cmd in cmds:
+        r = subprocess.run(
+            ["sh", "-ec", cmd], cwd=REPO, capture_output=True, text=True, timeout=900
+        )
+        (OUT / "install.log").open("a").write(f"$ {cmd}\n{r.stdout}{r.stderr}\n")
+        assert r.returncode == 0, f"{cmd}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert os.readlink("/usr/bin/smcd") == "/usr/lib/smcd/bin/smcd"
+    for b in ("smcctl", "smc-run"):
+        assert sh("sh", "-c", f"command -v {b}").strip() == f"/usr/bin/{b}"
+    assert Path("/usr/lib/systemd/system/smcd.service").is_file()
+    assert Path("/usr/share/dbus-1/system.d/org.smcd.conf").is_file()
+    assert Path("/usr/share/dbus-1/system-services/org.smcd.service").is_file()
+    assert UEID in CONFIG.read_text()
+    # Enabled and listening; the daemon itself not started yet (socket activation).
+    assert prop("smcd.socket", "ActiveState") == "active"
+    assert prop("smcd.socket", "UnitFileState") == "enabled"
+    assert prop("smcd.service", "ActiveState") == "inactive"
+    sock = Path("/run/smcd/handoff.sock")
+    assert sock.exists() and (sock.stat().st_mode & 0o777) == 0o666
+
+
+# -- socket activation, notify ---------------------------------------------------------------
+
+
+def test_first_handoff_starts_smcd_and_is_served(app: App) -> None:
+    """Nothing runs; an unprivileged application's first handoff starts smcd through the
+    socket, and that very connection is served in mode smcd."""
+    assert prop("smcd.service", "ActiveState") == "inactive"
+    port = app.ask(op="listen")["port"]  # the listener registration is the first handoff
+    c = app.ask(op="connect", port=port)
+    assert c["mode"] == "smcd", c
+    app.ask(op="echo", id=c["id"], size=200_000)
+    assert app.ask(op="server-modes")["modes"] == ["smcd"]
+    assert prop("smcd.service", "ActiveState") == "active"
+    assert "inherited (socket activation)" in journal()
+
+
+def test_notify_ready_and_status_line() -> None:
+    assert prop("smcd.service", "Type") == "notify"
+    assert prop("smcd.service", "SubState") == "running"  # only after READY=1
+    status = prop("smcd.service", "StatusText")
+    assert status.startswith("serving org.smcd on the system bus"), status
+    text = sh("systemctl", "status", "--no-pager", "smcd.service", check=False)
+    assert "Active: active (running)" in text, text
+    assert 'Status: "serving org.smcd on the system bus' in text, text
+
+
+# -- D-Bus ----------------------------------------------------------------------------------------
+
+
+def test_busctl_introspect_and_bus_activation_by_name() -> None:
+    out = sh("busctl", "introspect", "org.smcd", "/org/smcd")
+    assert "org.smcd.Manager1" in out and ".PnetAdd" in out and ".Fallback" in out, out
+    # Stop the daemon (the socket stays); a method call to the name starts it again.
+    sh("systemctl", "stop", "smcd.service")
+    assert prop("smcd.service", "ActiveState") == "inactive"
+    out = sh("busctl", "--timeout=120", "call", "org.smcd", "/org/smcd", "org.smcd.Manager1",
+             "GetInfo")  # fmt: skip
+    assert "Version" in out, out
+    assert prop("smcd.service", "ActiveState") == "active"
+    dbus_log = sh("journalctl", "--no-pager", "-u", "dbus.service")
+    assert "Activating via systemd: service name='org.smcd'" in dbus_log, dbus_log[-2000:]
+
+
+def test_unprivileged_user_reads_and_is_refused_changes() -> None:
+    """smcctl without --bus finds the service on the system bus, as nobody too."""
+    for args in (["info"], ["conns", "-a"], ["linkgroup", "show"], ["stats"]):
+        r = run("smcctl", *args, user=AS_NOBODY)
+        assert r.returncode == 0, f"smcctl {' '.join(args)} as nobody: {r.stderr}"
+    assert UEID in run("smcctl", "info", user=AS_NOBODY).stdout
+    for args in (["pnet", "add", "NET1", "-I", "lo"], ["ueid", "add", "OTHER"],
+                 ["stats", "reset"]):  # fmt: skip
+        r = run("smcctl", *args, user=AS_NOBODY)
+        assert r.returncode == 1, f"smcctl {' '.join(args)} as nobody: exit {r.returncode}"
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("smcctl: permission denied"), r.stderr
+        assert r.stdout == ""
+    # root may
+    sh("smcctl", "stats", "reset")
+
+
+def test_unprivileged_smc_run_gets_smcd_and_buffers_stay_private(app: App) -> None:
+    port = app.ask(op="listen")["port"]
+    c = app.ask(op="connect", port=port)
+    assert c["mode"] == "smcd", c
+    app.ask(op="echo", id=c["id"], size=100_000)
+    fds = app.ask(op="fds")
+    assert fds["uid"] == 65534 and fds["memfds"], fds
+    # Another unprivileged user cannot reach the application's shared-memory buffers.
+    for fd in fds["memfds"][:2]:
+        r = run("/usr/bin/python3", "-c", f"open('/proc/{fds['pid']}/fd/{fd}', 'rb')",
+                user=AS_DAEMON_USER)  # fmt: skip
+        assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
+    # smcctl conns shows it, with the user's uid
+    conns = json.loads(sh("smcctl", "conns", "--json"))
+    assert any(x["Uid"] == 65534 and x["Mode"] == "SMCD" for x in conns), conns
+
+
+# -- journal --------------------------------------------------------------------------------------
+
+
+def test_journal_start_and_fallbacks_with_reason_fields(app: App) -> None:
+    port = app.ask(op="plain-listen")["port"]  # not registered with smcd
+    c = app.ask(op="connect", port=port)
+    assert c["mode"] == "tcp" and c["fallback"], c
+    reason = "SMC_CLC_DECL_PEERNOSMC"
+
+    def entries() -> list[dict[str, Any]]:
+        out = sh("journalctl", "--no-pager", "-u", "smcd.service", f"SMC_REASON={reason}",
+                 "-o", "json")  # fmt: skip
+        return [json.loads(x) for x in out.splitlines() if x.strip()]
+
+    found = wait_for("the fallback in the journal", entries, timeout=30)
+    e = found[-1]
+    assert e["SMC_UID"] == "65534" and e["SMC_ROLE"] == "CLIENT", e
+    assert e["SMC_REASON_CODE"].startswith("0x"), e
+    text = journal()
+    assert f"fell back to TCP: {reason}" in text
+    assert "ready: serving org.smcd on the system bus" in text
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+
+def test_reload_applies_a_change_and_keeps_the_old_on_an_invalid_file() -> None:
+    pid = prop("smcd.service", "MainPID")
+    good = CONFIG.read_text()
+    try:
+        CONFIG.write_text(good.replace('log_level = "info"', 'log_level = "debug"'))
+        sh("systemctl", "reload", "smcd.service")
+        wait_for(
+            "the reload's STATUS",
+            lambda: "applied log_level" in prop("smcd.service", "StatusText"),
+        )
+        CONFIG.write_text(good.replace('log_level = "info"', 'log_level = "loud"'))
+        sh("systemctl", "reload", "smcd.service")
+
+        def failed_status() -> str:
+            text = prop("smcd.service", "StatusText")
+            return text if "failed" in text else ""
+
+        status = wait_for("the failed reload's STATUS", failed_status)
+        assert "still running with the previous configuration" in status, status
+        text = journal()
+        assert "reload: applied log_level" in text
+        assert "reload: " in text and "loud" in text, text[-3000:]
+        assert prop("smcd.service", "MainPID") == pid
+        assert prop("smcd.service", "ActiveState") == "active"
+    finally:
+        CONFIG.write_text(good)
+        sh("systemctl", "reload", "smcd.service")
+
+
+# -- watchdog -------------------------------------------------------------------------------------
+
+
+def test_watchdog_restarts_a_frozen_daemon_and_channels_keep_moving(app: App) -> None:
+    port = app.ask(op="listen")["port"]
+    c = app.ask(op="connect", port=port)
+    assert c["mode"] == "smcd", c
+    pid = int(prop("smcd.service", "MainPID"))
+    restarts = int(prop("smcd.service", "NRestarts"))
+    assert prop("smcd.service", "WatchdogUSec") in ("20s", "20000000")
+    os.kill(pid, 19)  # SIGSTOP
+    try:
+        app.ask(op="echo", id=c["id"], size=300_000)  # the channel needs no daemon
+        wait_for(
+            "systemd to restart smcd",
+            lambda: (
+                prop("smcd.service", "MainPID") not in ("0", str(pid))
+                and prop("smcd.service", "SubState") == "running"
+            ),
+            timeout=150,
+        )
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, 18)  # SIGCONT, should the test fail before the watchdog fired
+    assert int(prop("smcd.service", "NRestarts")) == restarts + 1
+    assert "Watchdog timeout" in sh("journalctl", "--no-pager", "-u", "smcd.service")
+    app.ask(op="echo", id=c["id"], size=300_000)  # still moving after the restart
+    c2 = app.ask(op="connect", port=app.ask(op="listen")["port"])
+    assert c2["mode"] == "smcd", c2
+    app.ask(op="echo", id=c2["id"], size=10_000)
+
+
+# -- stop, security, uninstall ---------------------------------------------------------------------
+
+
+def _memfd_holders() -> list[str]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/memfd:") or target == "anon_inode:bpf-prog":
+                    out.append(f"{proc.name}: {target}")
+        except OSError:
+            continue
+    return out
+
+
+def test_stop_leaves_no_socket_memfd_or_bpf_program() -> None:
+    sh("systemctl", "stop", "smcd.socket", "smcd.service")
+    assert prop("smcd.service", "ActiveState") in ("inactive", "failed")
+    assert not Path("/run/smcd/handoff.sock").exists()
+    assert not Path("/run/smcd/bus").exists()
+    assert run("pgrep", "-f", "/usr/bin/smcd --config").returncode == 1
+    assert _memfd_holders() == []
+    r = run("smcctl", "info", user=AS_NOBODY)
+    assert r.returncode == 1
+    assert r.stderr.startswith("smcctl: smcd is not running: looked on the system bus"), r.stderr
+    sh("systemctl", "start", "smcd.socket")
+
+
+def test_security_score_is_the_readmes() -> None:
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"scored (\d+\.\d) by\s+`systemd-analyze security`", text)
+    assert m, "README.md should state the systemd-analyze security score"
+    out = sh("systemd-analyze", "security", "--no-pager", "smcd.service")
+    score = re.search(r"Overall exposure level for smcd\.service: (\d+\.\d)", out)
+    assert score, out[-2000:]
+    assert score.group(1) == m.group(1), out[-2000:]
+
+
+def test_make_uninstall_removes_it() -> None:
+    r = subprocess.run(["make", "uninstall"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for path in ("/usr/bin/smcd", "/usr/bin/smcctl", "/usr/bin/smc-run", "/usr/lib/smcd",
+                 "/usr/lib/systemd/system/smcd.service", "/usr/lib/systemd/system/smcd.socket",
+                 "/usr/share/dbus-1/system.d/org.smcd.conf",
+                 "/usr/share/dbus-1/system-services/org.smcd.service"):  # fmt: skip
+        assert not os.path.lexists(path), path
+    assert prop("smcd.socket", "LoadState") == "not-found"
+    # The configuration was changed (a UEID added): kept, and said so.
+    assert CONFIG.exists() and "keeping" in r.stdout
