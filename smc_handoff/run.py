@@ -11,11 +11,16 @@ follows: ``socket.create_connection`` (``http.client``, ``urllib``, ``smtplib``.
 upgraded object is still a ``socket.socket`` (``makefile``, ``sendall``, timeouts, ``select``,
 ``getpeername``... behave as before). Child Python processes inherit the upgrade.
 
-Not upgraded, and staying on plain TCP: non-blocking connects and listeners that are
-non-blocking when ``listen()`` is called (asyncio: use :mod:`smc_handoff.aio`), TLS connections
+asyncio's connections are upgraded too, when the program imports :mod:`asyncio`
+(:mod:`smc_handoff.aio_loop`: ``create_connection``/``create_server`` with any protocol, streams,
+the ``sock_*`` methods), the handoff running off the event loop.
+
+Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
+non-blocking when ``listen()`` is called (a select loop of the program's own), TLS connections
 (``ssl`` takes the descriptor over with ``detach()``: an upgraded socket then closes its channel
-and continues on TCP, a listener unregisters), and every socket when no daemon runs: the program
-never breaks because smcd is absent.
+and continues on TCP, a listener unregisters; asyncio's ``ssl=`` is never handed off), event
+loops other than asyncio's selector loop (uvloop: ``-v`` says so), and every socket when no daemon
+runs: the program never breaks because smcd is absent.
 """
 
 from __future__ import annotations
@@ -28,13 +33,23 @@ import os
 import shutil
 import socket as _socket
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
 from smc_handoff import messages
-from smc_handoff.socket import SmcSocket, _accepted, _Registration
+from smc_handoff.handoff import Registration
+from smc_handoff.socket import SmcSocket, _accepted
 
-__all__ = ["AutoSocket", "install", "install_from_env", "main"]
+__all__ = [
+    "AutoSocket",
+    "install",
+    "install_from_env",
+    "main",
+    "report",
+    "report_tcp",
+    "take_deferred",
+]
 
 BOOT_DIR = Path(__file__).resolve().parent / "_boot"
 ENV_ACTIVE = "SMC_RUN"
@@ -72,12 +87,33 @@ _log = logging.getLogger("smc_handoff.run")
 _verbose = False
 
 
-def _report(op: str, sock: SmcSocket, peer: Any) -> None:
+# Connections accepted by an event loop's listener, waiting for their handoff off the loop
+# (smc_handoff.aio_loop): the listener's registration.
+_deferred: weakref.WeakKeyDictionary[SmcSocket, Registration] = weakref.WeakKeyDictionary()
+
+
+def report(op: str, sock: SmcSocket, peer: Any) -> None:
+    """``smc-run -v``: one line per connection, its mode and, on TCP, why."""
     if not _verbose:
         return
     reason = f" ({sock.fallback})" if sock.fallback is not None else ""
     conn = f" conn {sock.conn_id}" if sock.conn_id is not None else ""
     print(f"smc-run[{os.getpid()}]: {op} {peer}: {sock.mode}{conn}{reason}", file=sys.stderr)
+
+
+def report_tcp(op: str, peer: Any, reason: str) -> None:
+    """``smc-run -v`` for a connection the upgrade cannot reach (e.g. uvloop's)."""
+    if _verbose:
+        print(f"smc-run[{os.getpid()}]: {op} {peer}: tcp ({reason})", file=sys.stderr)
+
+
+def take_deferred(conn: Any) -> Registration | None:
+    """The registration of the listener that accepted ``conn`` for an event loop, which hands
+    it off now (once): None when there is nothing to hand off."""
+    try:
+        return _deferred.pop(conn, None)
+    except TypeError:  # not weak-referenceable: not ours
+        return None
 
 
 def _eligible(sock: _socket.socket) -> bool:
@@ -87,17 +123,53 @@ def _eligible(sock: _socket.socket) -> bool:
 class AutoSocket(SmcSocket):
     """What ``socket.socket`` is under smc-run: a plain socket until a TCP connection exists."""
 
-    _registration: _Registration | None
+    _registration: Registration | None
     _upgrade = True  # False in ssl.SSLSocket, which subclasses us once smc-run is installed
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._registration = None
+        self._loop_accepts = False  # an event loop accepts: it hands connections off itself
 
     def _upgrade_client(self, address: Any) -> None:
         if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
             self._handoff(server_side=False)
-            _report("connect", self, address)
+            report("connect", self, address)
+
+    @property
+    def can_upgrade(self) -> bool:
+        """A TCP stream socket no handoff was tried on yet (what an event loop hands off)."""
+        return self._upgrade and _eligible(self) and self.mode == "tcp" and self.fallback is None
+
+    def hand_off_client(self, address: Any) -> AutoSocket:
+        """Hand this connected socket off now (blocking: an event loop calls it in the
+        handoff threads). Raises, the connection reset, as :func:`smc_handoff.wrap` does."""
+        self._handoff(server_side=False)
+        report("connect", self, address)
+        return self
+
+    def serve_from_loop(self, tls: bool) -> None:
+        """An event loop serves this listener: register it (once, unless TLS: then never) and
+        leave the handoff of accepted connections to the loop (see :func:`take_deferred`)."""
+        if tls or not (self._upgrade and _eligible(self)):
+            if self._registration is not None:
+                self._registration.close()
+                self._registration = None
+            return
+        self._loop_accepts = True
+        if self._registration is None:
+            self._register()
+
+    def _register(self) -> None:
+        self._registration = Registration(self)
+        if _verbose:
+            reg = self._registration
+            state = (
+                f"registered as listener {reg.listener_id}"
+                if reg.listener_id is not None
+                else f"tcp ({reg.fallback})"
+            )
+            print(f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}", file=sys.stderr)
 
     def connect(self, address: Any) -> None:
         super().connect(address)
@@ -117,18 +189,7 @@ class AutoSocket(SmcSocket):
             and self.gettimeout() != 0
             and self._registration is None
         ):
-            self._registration = _Registration(self)
-            if _verbose:
-                reg = self._registration
-                state = (
-                    f"registered as listener {reg.listener_id}"
-                    if reg.listener_id is not None
-                    else f"tcp ({reg.fallback})"
-                )
-                print(
-                    f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}",
-                    file=sys.stderr,
-                )
+            self._register()
 
     def accept(self) -> tuple[_socket.socket, Any]:
         fd, addr = self._accept()  # type: ignore[attr-defined]
@@ -138,8 +199,11 @@ class AutoSocket(SmcSocket):
         reg = self._registration
         if reg is None:
             return conn, addr
+        if self._loop_accepts:
+            _deferred[conn] = reg
+            return conn, addr
         smc = _accepted(conn, reg)
-        _report("accept", smc, addr)
+        report("accept", smc, addr)
         return smc, addr
 
     def detach(self) -> int:
@@ -176,19 +240,36 @@ def _patch_ssl(ssl: Any) -> None:
         ssl.SSLSocket._upgrade = False
 
 
-class _SslHook(importlib.abc.MetaPathFinder):
-    """Patch ``ssl`` when the program imports it (importing it up front would cost every
-    smc-run process ~10 ms)."""
+def _patch_asyncio(asyncio: Any) -> None:
+    from smc_handoff import aio_loop
+
+    aio_loop.install()
+
+
+def _patch_uvloop(uvloop: Any) -> None:
+    from smc_handoff import aio_loop
+
+    aio_loop.install_uvloop_report(uvloop)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patch a module when the program imports it (importing ``ssl`` or ``asyncio`` up front
+    would cost every smc-run process milliseconds)."""
+
+    def __init__(self, name: str, patch: Any) -> None:
+        self.name = name
+        self.patch = patch
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "ssl":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("ssl")
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
+        patch = self.patch
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec: Any) -> Any:
@@ -196,10 +277,20 @@ class _SslHook(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module: Any) -> None:
                 exec_module(module)
-                _patch_ssl(module)
+                try:
+                    patch(module)
+                except Exception as e:  # never break the program: it runs on TCP
+                    print(f"smc-run: not upgrading {name}: {e!r}", file=sys.stderr)
 
         spec.loader = Loader()
         return spec
+
+
+def _patch_on_import(name: str, patch: Any) -> None:
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
 
 
 def install(*, verbose: bool = False, debug: bool = False) -> None:
@@ -212,10 +303,10 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
         root = logging.getLogger("smc_handoff")
         root.addHandler(handler)
         root.setLevel(logging.DEBUG)
-    if "ssl" in sys.modules:
-        _patch_ssl(sys.modules["ssl"])
-    elif not any(isinstance(f, _SslHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SslHook())
+    _patch_on_import("ssl", _patch_ssl)
+    _patch_on_import("asyncio", _patch_asyncio)
+    if _verbose:
+        _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]
 
 

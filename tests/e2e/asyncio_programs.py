@@ -1,0 +1,178 @@
+"""Unmodified asyncio programs for the smc-run tests and the bench: they know nothing of SMC.
+
+Each is a script run as ``smc-run [-v] python -c PROGRAM ARGS`` (or without smc-run, on TCP).
+They report on stdout, one line per event, so the harness can check every byte end to end.
+"""
+
+from __future__ import annotations
+
+STREAMS = r'''
+"""asyncio streams: 'server' counts and hashes what it reads (or aborts, or stalls), 'client'
+sends N bytes in 64 KiB writes, waiting for a line on stdin after the first write."""
+import asyncio, hashlib, random, sys
+
+role, mode = sys.argv[1], sys.argv[2]
+
+async def handle(reader, writer):
+    if mode == "abort":  # read one line, stop reading, abort with data unread: a reset on TCP
+        await reader.readline()
+        writer.transport.pause_reading()
+        writer.write(b"partial\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)  # the client's next bytes arrive, unread
+        writer.transport.abort()
+        return
+    if mode == "close":
+        await reader.readline()
+        writer.write(b"bye\n")
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        return
+    h, n = hashlib.sha256(), 0
+    if mode == "stall":  # after the first byte, read nothing for 1.5 s: the client's ring
+        h.update(await reader.readexactly(1))  # and buffer fill up
+        n = 1
+        await asyncio.sleep(2)
+    while data := await reader.read(1 << 16):
+        h.update(data)
+        n += len(data)
+    writer.write(f"{n} {h.hexdigest()}\n".encode())
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+async def server():
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    print("port", srv.sockets[0].getsockname()[1], flush=True)
+    async with srv:
+        await srv.serve_forever()
+
+class Counting(asyncio.Protocol):
+    """A protocol of the program's own: counts flow control and keeps what arrives."""
+    def __init__(self):
+        self.paused = self.resumed = 0
+        self.data = bytearray()
+        self.lost = asyncio.get_running_loop().create_future()
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+    def pause_writing(self):
+        self.paused += 1
+        self.can_write.clear()
+    def resume_writing(self):
+        self.resumed += 1
+        self.can_write.set()
+    def data_received(self, data):
+        self.data += data
+    def eof_received(self):
+        return False
+    def connection_lost(self, exc):
+        self.lost.set_result(exc)
+
+def space(transport):
+    return getattr(transport, "space_waits", -1), getattr(transport, "space_wakeups", -1)
+
+async def watch(transport):
+    """While the server reads nothing, the transport must wait for the peer's signal, not
+    retry on a timer: its count of waits and wake-ups stays still (the writer keeps the
+    buffer above the high-water mark meanwhile)."""
+    await asyncio.sleep(0.3)  # the server's reader fills its own buffer, then stops
+    before = space(transport)
+    await asyncio.sleep(0.5)
+    return [before, space(transport), transport.get_write_buffer_size()]
+
+async def client(port, n):
+    loop = asyncio.get_running_loop()
+    if mode in ("abort", "close"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"line\n")
+        print("connected", flush=True)
+        print("got", (await reader.readline()).decode().strip(), flush=True)
+        if mode == "abort":
+            writer.write(b"x" * 1000)
+        try:
+            rest = await reader.read()
+            print("eof", len(rest), flush=True)
+        except OSError as e:
+            print("error", type(e).__name__, flush=True)
+        return
+    transport, proto = await loop.create_connection(Counting, "127.0.0.1", port)
+    rng = random.Random(7)
+    h = hashlib.sha256()
+    sent = 0
+    stall = []
+    while sent < n:
+        chunk = rng.randbytes(min(65536, n - sent))
+        await proto.can_write.wait()
+        transport.write(chunk)
+        h.update(chunk)
+        sent += len(chunk)
+        if sent == len(chunk):
+            print("connected", type(transport).__name__, flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)
+        if mode == "stall" and not stall and proto.paused:
+            stall.append(asyncio.create_task(watch(transport)))
+    transport.write_eof()
+    await proto.lost
+    print("stall", *(await stall[0] if stall else []), flush=True)
+    print("sent", sent, h.hexdigest(), "paused", proto.paused, "resumed", proto.resumed,
+          "wakeups", getattr(transport, "space_wakeups", -1), flush=True)
+    print("reply", proto.data.decode().strip(), flush=True)
+
+if role == "server":
+    asyncio.run(server())
+else:
+    asyncio.run(client(int(sys.argv[3]), int(sys.argv[4])))
+'''
+
+ASGI_APP = r'''
+"""An ASGI app for uvicorn: GET /N answers SIZE pseudo-random bytes seeded by N."""
+import os, random
+
+SIZE = int(os.environ.get("ASGI_SIZE", "65536"))
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    seed = int(scope["path"].strip("/") or "0")
+    body = random.Random(seed).randbytes(SIZE)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+'''
+
+AIOHTTP_CLIENT = r'''
+"""aiohttp keep-alive client: N GETs on one connection, each body checked; waits for a line on
+stdin after the first. Prints the p50 latency and requests/s."""
+import asyncio, hashlib, random, statistics, sys, time
+import aiohttp
+
+port, n, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+wait = len(sys.argv) > 4 and sys.argv[4] == "wait"
+
+async def main():
+    conn = aiohttp.TCPConnector(limit=1, force_close=False)
+    bad = 0
+    lat = []
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            async with session.get(f"http://127.0.0.1:{port}/{i}") as resp:
+                body = await resp.read()
+            lat.append(time.perf_counter() - t)
+            if body != random.Random(i).randbytes(size):
+                bad += 1
+            if i == 0:
+                print("started", resp.status, flush=True)
+                if wait:
+                    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+                t0 = time.perf_counter()
+                lat.clear()
+        total = time.perf_counter() - t0
+    print("done", n, "bad", bad, "p50_us", round(statistics.median(lat) * 1e6, 1),
+          "rps", round((n - 1) / total, 1), flush=True)
+
+asyncio.run(main())
+'''
