@@ -27,11 +27,13 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
 - a select loop may see a rare spurious readiness right after data was consumed (a late
   wakeup); a non-blocking ``recv`` then raises :class:`BlockingIOError` and clears it.
 
-When no daemon answers (no socket at the handoff path, connection refused, an untrusted owner,
-no reply in time) or the daemon refuses, every call degrades to plain TCP with the local reason
+When no daemon answers (no socket at the handoff path, connection refused, an untrusted owner)
+or the daemon refuses, every call degrades to plain TCP with the local reason
 :data:`~smc_handoff.messages.FALLBACK_DAEMON_UNAVAILABLE` or
 :data:`~smc_handoff.messages.FALLBACK_DAEMON_ERROR`: an application never breaks because smcd
-is absent.
+is absent. When the daemon fails after the stream carried CLC, or does not answer in time, the
+connection is reset and the handoff fails instead (:mod:`smc_handoff.handoff` says why): never
+TCP with protocol bytes in the data.
 """
 
 from __future__ import annotations
@@ -41,16 +43,13 @@ import contextlib
 import errno
 import logging
 import os
-import select
 import socket as _socket
 import struct
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 from smc_handoff import messages
+from smc_handoff.handoff import ChannelState, Registration, clc_at_head, hand_over, reset
 from smc_handoff.messages import Fallback
 
 if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
@@ -73,9 +72,10 @@ _SOCK_STREAM = int(_socket.SOCK_STREAM)
 _family_of = _csocket.socket.family.__get__
 _type_of = _csocket.socket.type.__get__
 _proto_of = _csocket.socket.proto.__get__
-_PEERCRED = struct.Struct("3i")
 _MODE_NAMES = {mode: mode.name.lower() for mode in messages.Mode}
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
+_Smc = ChannelState
+_Registration = Registration  # what smc_handoff.run and .aio import from here
 
 
 def _ebadf() -> OSError:
@@ -86,73 +86,11 @@ def _eagain() -> BlockingIOError:
     return BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
 
 
-def _reset() -> ConnectionResetError:
-    return ConnectionResetError(errno.ECONNRESET, os.strerror(errno.ECONNRESET))
-
-
 def _timeout() -> TimeoutError:
     return TimeoutError("timed out")  # the message CPython's socket module uses
 
 
-# --- talking to the daemon --------------------------------------------------------------------
-
-
-class _NoDaemon(Exception):
-    """No usable daemon at any candidate path; the message says why (for the fallback)."""
-
-
-def _connect_daemon(timeout: float) -> _socket.socket:
-    """A SEQPACKET connection to a trusted daemon, or :class:`_NoDaemon`."""
-    problems = []
-    for path in messages.handoff_socket_candidates():
-        ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-        try:
-            ctl.settimeout(timeout)
-            ctl.connect(os.fspath(path))
-            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
-            pid, uid, _gid = _PEERCRED.unpack(cred)
-            if uid != 0 and uid != os.getuid():
-                raise _NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
-        except (OSError, _NoDaemon) as e:
-            ctl.close()
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
-            problems.append(f"{path}: {reason}")
-            continue
-        return ctl
-    raise _NoDaemon("; ".join(problems) or "no handoff socket path")
-
-
-def _exchange(
-    request: messages.Request,
-    fd: int,
-    what: str,
-    precheck: Callable[[], Fallback | None] | None = None,
-) -> tuple[_socket.socket, messages.Reply, list[int]] | Fallback:
-    """Send ``request`` with ``fd``; the open control connection, reply and its fds — or the
-    fallback to report when there is no usable answer (then nothing is left open).
-    ``precheck`` runs once a daemon answered, before anything is sent."""
-    timeout = messages.handoff_timeout()
-    try:
-        ctl = _connect_daemon(timeout)
-    except _NoDaemon as e:
-        return messages.daemon_unavailable(str(e))
-    refusal = precheck() if precheck is not None else None
-    if refusal is not None:
-        ctl.close()
-        return refusal
-    try:
-        messages.send_message(ctl, request, [fd])
-        reply, fds = messages.recv_message(ctl, requests=False)
-    except TimeoutError:
-        ctl.close()
-        return messages.daemon_unavailable(f"no reply to {what} within {timeout:g} s")
-    except messages.HandoffProtocolError as e:
-        ctl.close()
-        return messages.daemon_error(f"invalid reply to {what}: {e}")
-    except (messages.HandoffClosedError, OSError) as e:
-        ctl.close()
-        return messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
-    return ctl, reply, fds  # type: ignore[return-value]
+# --- making the channel -------------------------------------------------------------------
 
 
 class _Keep:
@@ -160,12 +98,6 @@ class _Keep:
 
 
 _KEEP = _Keep()
-
-
-def _unexpected(reply: messages.Reply, what: str) -> Fallback:
-    if isinstance(reply, messages.Error):
-        return messages.daemon_error(f"{what} refused: {reply.code.name}: {reply.message}")
-    return messages.daemon_error(f"unexpected {reply.TYPE.name} reply to {what}")
 
 
 _UNSUPPORTED = Fallback(
@@ -196,88 +128,6 @@ def _load_channel() -> type[_Channel]:
 
     _ring_module, _channel_class = _ring, Channel
     return Channel
-
-
-@dataclass
-class _Smc:
-    """What an SmcSocket holds while its data goes through a channel."""
-
-    channel: _Channel
-    control: _socket.socket | None
-    info: messages.Channel
-    role: messages.Role
-    conn_id: int = 0
-    rd_shut: bool = False
-    wr_shut: bool = False
-    next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
-    deadline: float | None = None  # of the sendall() in progress (None: per call)
-
-    RECHECK_S = 1.0
-
-    @property
-    def sent(self) -> int:
-        """Bytes sent over the channel (the channel counts them: the data path does not)."""
-        return self.channel.bytes_sent
-
-    @property
-    def received(self) -> int:
-        return self.channel.bytes_received
-
-    def notify(self, msg: messages.Request) -> None:
-        """Tell the daemon (best effort: the channel never depends on it)."""
-        if self.control is None:
-            return
-        try:
-            self.control.setblocking(False)
-            messages.send_message(self.control, msg)
-        except OSError:
-            self.control.close()
-            self.control = None
-
-    def check_daemon(self, tcp_fd: int) -> None:
-        """Called before a wait, at most once a second (the first time a second after the
-        handoff: a short connection never pays for it): read the daemon's late replies (OK to
-        RESUME), and when the daemon went away (hang-up) RESUME with the one that replaced
-        it, without waiting for its answer. Never raises: the channel does not need this."""
-        now = time.monotonic()
-        if now < self.next_check:
-            return
-        self.next_check = now + self.RECHECK_S
-        ctl = self.control
-        if ctl is not None:
-            try:
-                ctl.setblocking(False)
-                while True:
-                    msg, fds = messages.recv_message(ctl, requests=False)
-                    messages.close_fds(fds)
-                    if isinstance(msg, messages.Ok):
-                        self.conn_id = msg.ident
-            except (BlockingIOError, InterruptedError):
-                return  # the daemon is still there
-            except (OSError, messages.HandoffError):
-                ctl.close()
-                self.control = None
-        try:
-            ctl = _connect_daemon(0.2)
-        except _NoDaemon:
-            return
-        resume = messages.Resume(
-            self.conn_id,
-            self.role,
-            self.info.mode,
-            self.info.rx_size,
-            self.info.tx_size,
-            self.sent,
-            self.received,
-        )
-        try:
-            ctl.setblocking(False)
-            messages.send_message(ctl, resume, [tcp_fd])
-        except OSError:
-            ctl.close()
-            return
-        self.control = ctl
-        log.debug("connection %d: RESUME sent to the new daemon", self.conn_id)
 
 
 # --- the socket -------------------------------------------------------------------------------
@@ -333,37 +183,50 @@ class SmcSocket(_BaseSocket):
     # -- handoff -------------------------------------------------------------------------------
 
     def _handoff(
-        self, server_side: bool, dmb_size: int = 0, timeout: float | _Keep | None = _KEEP
+        self,
+        server_side: bool,
+        dmb_size: int = 0,
+        timeout: float | _Keep | None = _KEEP,
+        *,
+        fail: bool = True,
     ) -> None:
         """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC. ``timeout``
-        is the socket timeout to apply afterwards (default: keep the current one)."""
+        is the socket timeout to apply afterwards (default: keep the current one). When the
+        stream cannot be given back as it was (:mod:`smc_handoff.handoff`) the connection is
+        reset and the error raised, or with ``fail=False`` (what ``accept`` does, as the
+        kernel's AF_SMC hands out a failed socket) kept: the application's first call fails."""
         if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
-        request: messages.Request = (
-            messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
-        )
+        request = messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
         what = request.TYPE.name
         blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
-        result = _exchange(request, super().fileno(), what, _channel_refused)
-        self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
+        try:
+            result = hand_over(self, request, _channel_refused)
+        except OSError as e:
+            if fail:
+                raise
+            self._set_fallback(messages.daemon_error(str(e)))
+            return
+        finally:
+            self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
         if isinstance(result, Fallback):
             self._set_fallback(result)
             return
         ctl, reply, fds = result
-        if not isinstance(reply, messages.Channel):
-            ctl.close()
-            messages.close_fds(fds)
-            self._set_fallback(reply if isinstance(reply, Fallback) else _unexpected(reply, what))
-            return
         try:
             make = _channel_class or _load_channel()
             rx_dmb, tx_dmb, rx_efd, tx_efd, link = fds
             channel = make(rx_dmb, tx_dmb, reply.rx_size, reply.tx_size, rx_efd, tx_efd, link)
         except Exception as e:  # unusable descriptors: the TCP stream already spoke CLC
             ctl.close()  # the channel closed the fds it was given
-            raise ConnectionResetError(
+            reset(self)
+            error = ConnectionResetError(
                 errno.ECONNRESET, f"smcd handed over an unusable channel: {e}"
-            ) from e
+            )
+            if fail:
+                raise error from e
+            self._set_fallback(messages.daemon_error(str(error)))
+            return
         role = messages.Role.SERVER if server_side else messages.Role.CLIENT
         self._smc = _Smc(
             channel, ctl, reply, role, reply.conn_id, next_check=time.monotonic() + _Smc.RECHECK_S
@@ -669,8 +532,15 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
     ``sock`` is detached (its descriptor now belongs to the result, as with ``ssl``).
     ``server_side`` says which half this is (True after ``accept``). ``dmb_size`` is a hint for
     the receive buffer (16 KiB << n, or 0 for the daemon's choice). Never raises because smcd is
-    absent: the result is then in TCP mode with ``.fallback`` set.
+    absent: the result is then in TCP mode with ``.fallback`` set. Raises
+    :class:`ConnectionResetError` or :class:`TimeoutError` (``ETIMEDOUT``), the connection reset,
+    when smcd failed after the TCP stream had carried CLC or stopped answering
+    (:mod:`smc_handoff.handoff`): never TCP with protocol bytes in the data.
     """
+    return _wrap(sock, server_side, dmb_size, fail=True)
+
+
+def _wrap(sock: _socket.socket, server_side: bool, dmb_size: int, *, fail: bool) -> SmcSocket:
     if isinstance(sock, SmcSocket) and sock._smc is not None:
         return sock
     family, kind = _family_of(sock), _type_of(sock)
@@ -680,7 +550,7 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
     timeout = sock.gettimeout()
     smc = SmcSocket(family, kind, _proto_of(sock), fileno=sock.detach())
     try:
-        smc._handoff(server_side, dmb_size, timeout)  # applies ``timeout`` once, after the exchange
+        smc._handoff(server_side, dmb_size, timeout, fail=fail)  # applies ``timeout`` once
     except BaseException:
         smc.close()
         raise
@@ -699,74 +569,21 @@ def connect(
     return wrap(sock, server_side=False, dmb_size=dmb_size)
 
 
-class _Registration:
-    """A listening socket's LISTEN registration with smcd, renewed if the daemon comes back."""
-
-    RETRY_S = 1.0
-
-    def __init__(self, listener: _socket.socket) -> None:
-        self._listener = listener
-        self._control: _socket.socket | None = None
-        self._hangup = select.poll()  # watches _control (used under _lock)
-        self.listener_id: int | None = None
-        self.fallback: Fallback | None = None
-        self._next_try = 0.0
-        self._lock = threading.Lock()  # accept loops may ask from several threads
-        self._register()
-
-    def _register(self) -> None:
-        self._next_try = time.monotonic() + self.RETRY_S
-        result = _exchange(messages.Listen(), _BaseSocket.fileno(self._listener), "LISTEN")
-        if isinstance(result, Fallback):
-            self.fallback = result
-            log.debug("listener not registered: %s", result)
-            return
-        ctl, reply, fds = result
-        messages.close_fds(fds)
-        if isinstance(reply, messages.Ok):
-            self._control, self.listener_id, self.fallback = ctl, reply.ident, None
-            self._hangup = select.poll()
-            self._hangup.register(ctl, select.POLLIN)
-            log.debug("listener %d registered", reply.ident)
-            return
-        ctl.close()
-        self.fallback = reply if isinstance(reply, Fallback) else _unexpected(reply, "LISTEN")
-
-    @property
-    def active(self) -> bool:
-        """True while the daemon holds the registration; one poll(0) per call, and a retry at
-        most every second once the daemon dropped it (e.g. restarted)."""
-        with self._lock:
-            ctl = self._control
-            # HUP (nothing is ever sent after OK): the daemon let go
-            if ctl is not None and self._hangup.poll(0):
-                ctl.close()
-                self._control = self.listener_id = None
-            if self._control is None and time.monotonic() >= self._next_try:
-                self._register()
-            return self._control is not None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._control is not None:
-                self._control.close()
-                self._control = None
-            self._next_try = float("inf")  # closed for good: never register again
-
-
 def _accepted(conn: _socket.socket, reg: _Registration, dmb_size: int = 0) -> SmcSocket:
     """An accepted connection as an SmcSocket: handed off while the listener is registered
     (only then can a same-host client have proposed SMC), else plain TCP with the reason.
-    A fresh TCP-mode SmcSocket (from :meth:`SmcServer.accept`) is handed off in place."""
+    A fresh TCP-mode SmcSocket (from :meth:`SmcServer.accept`) is handed off in place. A
+    handoff that cannot give the stream back as it was returns the socket reset (its first
+    call fails with ECONNRESET, as after a client's reset) rather than failing ``accept``."""
     fresh = None
     if isinstance(conn, SmcSocket) and type(conn) is SmcSocket and conn._smc is None:
         fresh = conn if conn._fallback is None and not conn._gone else None
     if reg.active:
         if fresh is None:
-            return wrap(conn, server_side=True, dmb_size=dmb_size)
+            return _wrap(conn, True, dmb_size, fail=False)
         try:
             fresh.getpeername()  # as wrap(): OSError(ENOTCONN) when the client is gone already
-            fresh._handoff(True, dmb_size)  # keeps its timeout
+            fresh._handoff(True, dmb_size, fail=False)  # keeps its timeout
         except BaseException:
             fresh.close()
             raise
@@ -779,6 +596,11 @@ def _accepted(conn: _socket.socket, reg: _Registration, dmb_size: int = 0) -> Sm
         plain = SmcSocket(_family_of(conn), _type_of(conn), _proto_of(conn), fileno=fd)
         plain.settimeout(timeout)
     plain._fallback = reg.fallback or messages.daemon_unavailable("listener not registered")
+    if clc_at_head(plain):  # a client proposed SMC (e.g. before smcd went away): none will answer
+        reset(plain)
+        plain._fallback = messages.daemon_unavailable(
+            "a CLC Proposal waits and no daemon answers it: connection reset"
+        )
     return plain
 
 

@@ -705,12 +705,13 @@ def test_daemon_fallback_reason_passes_through_and_blocking_is_restored(daemon: 
     [
         ("error", m.FALLBACK_DAEMON_ERROR, "refused: INTERNAL: boom"),
         ("garbage", m.FALLBACK_DAEMON_ERROR, "invalid reply"),
-        ("silent", m.FALLBACK_DAEMON_UNAVAILABLE, "no reply to CONNECT within 0.3 s"),
     ],
 )
 def test_broken_daemon_degrades_to_tcp(
     daemon: MiniDaemon, monkeypatch: pytest.MonkeyPatch, behaviour: str, code: int, text: str
 ) -> None:
+    """A daemon that answers nonsense without touching the stream: TCP as the application
+    left it."""
     daemon.behaviour = behaviour
     monkeypatch.setenv("SMCD_HANDOFF_TIMEOUT", "0.3")
     a, b = _fallback_pair()
@@ -718,6 +719,26 @@ def test_broken_daemon_degrades_to_tcp(
     assert text in a.fallback.explanation
     a.close()
     b.close()
+
+
+def test_silent_daemon_is_an_error_and_resets(
+    daemon: MiniDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No reply in time: the daemon still holds the socket and could write into it later, so
+    the handoff fails with ETIMEDOUT and the connection is reset (a fallback before this rule).
+    ``accept`` hands the reset socket out instead of failing."""
+    daemon.behaviour = "silent"
+    monkeypatch.setenv("SMCD_HANDOFF_TIMEOUT", "0.3")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    with pytest.raises(TimeoutError) as info:
+        smc_handoff.wrap(client)
+    assert info.value.errno == errno.ETIMEDOUT
+    assert "no reply to CONNECT within 0.3 s" in str(info.value)
+    with pytest.raises(ConnectionResetError):  # the peer sees the reset, not a hang
+        server.recv(10)
+    server.close()
 
 
 def test_daemon_of_another_user_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:

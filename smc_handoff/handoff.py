@@ -1,0 +1,496 @@
+"""The library's end of a handoff: talking to smcd, and never letting a stream be corrupted.
+
+A connection handed to smcd ends in exactly one of three ways: an SMC channel; TCP exactly as the
+application left it; or an error (:class:`ConnectionResetError`, :class:`TimeoutError` with
+``ETIMEDOUT``), as the kernel fails an AF_SMC socket with ``-EPROTO``/``-ETIMEDOUT`` once CLC has
+begun. Never TCP with CLC bytes in the data. The library enforces its half of that rule itself,
+because the daemon may die, freeze or lie:
+
+- Before the TCP descriptor leaves, :meth:`StreamMark.take` reads from the kernel how many bytes
+  the application has written (``tcpi_bytes_acked`` + ``SIOCOUTQ``) and consumed
+  (``tcpi_bytes_received`` - ``SIOCINQ``, less the peer's FIN), until two readings agree (data
+  may be arriving). After anything but a CHANNEL reply the mark is taken again: equal marks
+  mean the daemon neither wrote nor read a byte (a ``MSG_PEEK`` reads none).
+- FALLBACK is trusted when the stream is untouched, or when the daemon says the CLC exchange
+  ended in a Decline both ends processed (``Fallback.after_decline``); a FALLBACK that touched
+  the stream without saying so is an error. ERROR, an invalid reply or a hang-up fall back only
+  when the stream is untouched; otherwise an error.
+- A hang-up counts as "the daemon let go" only when its process is gone (checked with a pidfd:
+  its copies of the descriptor died with it). A live daemon that hangs up without a reply may
+  still hold a copy and write later, so that is an error too.
+- No reply within :func:`~smc_handoff.messages.handoff_timeout` (a frozen or overloaded daemon)
+  is always an error (``ETIMEDOUT``), untouched or not: the daemon still holds a copy of the
+  descriptor and would go on with the handshake when it wakes up. No cancel can be safe (a
+  frozen daemon cannot acknowledge it), so the library resets instead.
+- Whatever fallback is taken, CLC bytes waiting at the head of the receive queue (an eyecatcher
+  or the start of one, peeked) make it an error: on the server half a client that proposed
+  after the daemon's ``proposal_wait``; on either half after a Decline exchange, a late CLC
+  message.
+
+An error resets the TCP connection (:func:`reset`): ``connect(AF_UNSPEC)`` makes the kernel send
+an RST and close the socket even while the daemon still holds a copy, so the peer sees
+ECONNRESET instead of waiting or reading CLC, and a late write by a woken daemon fails.
+
+The library's wait must outlast the daemon's handshake timers, which end every handshake with a
+reply: :data:`~smc_handoff.messages.HANDOFF_TIMEOUT` is above the daemon's default chain
+(``proposal_wait`` + ``clc_wait`` per CLC message + SMC-R's LLC waits); a daemon configured with
+longer timers needs ``$SMCD_HANDOFF_TIMEOUT`` raised with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import select
+import socket as _socket
+import struct
+import termios
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from smc_handoff import messages
+from smc_handoff.messages import Fallback
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from smc_handoff.channel import Channel as _Channel
+
+__all__ = [
+    "CLC_EYECATCHERS",
+    "ChannelState",
+    "NoDaemon",
+    "Registration",
+    "StreamMark",
+    "clc_at_head",
+    "connect_daemon",
+    "daemon_exited",
+    "exchange",
+    "hand_over",
+    "reset",
+    "unexpected",
+]
+
+log = logging.getLogger("smc_handoff")
+
+# The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
+_BaseSocket = _socket.socket
+_PEERCRED = struct.Struct("3i")
+CLC_EYECATCHERS = (b"\xe2\xd4\xc3\xd9", b"\xe2\xd4\xc3\xc4")
+"""EBCDIC "SMCR" and "SMCD": every CLC message starts with one."""
+_PEEK = int(_socket.MSG_PEEK) | int(_socket.MSG_DONTWAIT)
+_TCP = _socket.IPPROTO_TCP
+_TCP_INFO = struct.Struct("B119xQQ")  # tcpi_state .. tcpi_bytes_acked, tcpi_bytes_received
+_SIOCINQ = termios.FIONREAD
+_SIOCOUTQ = termios.TIOCOUTQ
+_INT = struct.Struct("i")
+_INT0 = bytes(_INT.size)
+_TCP_CLOSE = 7
+_FIN_RECEIVED = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
+_EXIT_WAIT = 0.25
+"""Seconds a hang-up waits for the daemon's process to be gone (its exit closes the handoff
+socket before the process is reaped)."""
+
+
+class NoDaemon(Exception):
+    """No usable daemon at any candidate path; the message says why (for the fallback)."""
+
+
+def connect_daemon(timeout: float) -> tuple[_socket.socket, int]:
+    """A SEQPACKET connection to a trusted daemon and the daemon's pid, or :class:`NoDaemon`."""
+    problems = []
+    for path in messages.handoff_socket_candidates():
+        ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        try:
+            ctl.settimeout(timeout)
+            ctl.connect(os.fspath(path))
+            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
+            pid, uid, _gid = _PEERCRED.unpack(cred)
+            if uid != 0 and uid != os.getuid():
+                raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
+        except (OSError, NoDaemon) as e:
+            ctl.close()
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
+            problems.append(f"{path}: {reason}")
+            continue
+        return ctl, pid
+    raise NoDaemon("; ".join(problems) or "no handoff socket path")
+
+
+# --- what the kernel says about the stream ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamMark:
+    """Bytes the application's side of a TCP connection has written and consumed, as the kernel
+    counts them (see the module docstring). Two marks are equal exactly when nobody wrote to or
+    read from the stream in between."""
+
+    written: int
+    consumed: int
+    state: int
+
+    @classmethod
+    def take(cls, sock: _socket.socket) -> StreamMark:
+        """Read until two consecutive readings agree (an ACK or data landing between the
+        queries moves one reading); the last reading after eight tries."""
+        fd = _BaseSocket.fileno(sock)
+        getsockopt, ioctl, unpack, size = sock.getsockopt, fcntl.ioctl, _INT.unpack, _TCP_INFO.size
+        last = reading = (0, 0, 0)
+        for tries in range(8):
+            raw = getsockopt(_TCP, _socket.TCP_INFO, size)
+            state, acked, received = _TCP_INFO.unpack_from(raw.ljust(size, b"\0"))
+            outq = unpack(ioctl(fd, _SIOCOUTQ, _INT0))[0]
+            inq = unpack(ioctl(fd, _SIOCINQ, _INT0))[0]
+            # bytes_received counts the peer's FIN once it arrived; SIOCINQ never does
+            fin = 1 if state in _FIN_RECEIVED else 0
+            reading = (acked + outq, received - inq - fin, state)
+            if tries and reading == last:
+                break
+            last = reading
+        return cls(*reading)
+
+    def untouched_since(self, before: StreamMark) -> bool:
+        """Nothing written or consumed since ``before``. False once the socket is closed (the
+        kernel zeroes its counters on a disconnect): nobody can tell then."""
+        if _TCP_CLOSE in (self.state, before.state):
+            return False
+        return self.written == before.written and self.consumed == before.consumed
+
+    def describe_since(self, before: StreamMark) -> str:
+        if _TCP_CLOSE in (self.state, before.state):
+            return "the TCP connection was closed"
+        wrote, read = self.written - before.written, self.consumed - before.consumed
+        return f"{wrote} bytes written and {read} read by someone else"
+
+
+def clc_at_head(sock: _socket.socket) -> bool:
+    """Does the receive queue start with a CLC eyecatcher (or the start of one)? Peeked, never
+    consumed; the socket's blocking mode is kept."""
+    timeout = sock.gettimeout()
+    try:
+        if timeout:  # CPython would wait for readability first, MSG_DONTWAIT or not
+            _BaseSocket.settimeout(sock, 0.0)
+        head = _BaseSocket.recv(sock, 4, _PEEK)
+    except OSError:
+        return False
+    finally:
+        if timeout:
+            _BaseSocket.settimeout(sock, timeout)
+    return bool(head) and any(eye.startswith(head) for eye in CLC_EYECATCHERS)
+
+
+_libc: Any = None
+
+
+def reset(sock: _socket.socket) -> None:
+    """Reset the TCP connection now, whoever else holds a copy of its descriptor: the peer sees
+    ECONNRESET, queued bytes are dropped and later reads and writes through any copy fail."""
+    global _libc
+    fd = _BaseSocket.fileno(sock)
+    with contextlib.suppress(OSError):  # and close() resets if the disconnect is refused
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, struct.pack("ii", 1, 0))
+    try:
+        import ctypes
+
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        unspec = ctypes.create_string_buffer(16)  # a sockaddr of family AF_UNSPEC (0)
+        if _libc.connect(fd, unspec, 16) == 0:  # the kernel's tcp_disconnect: RST, CLOSE
+            return
+    except (OSError, AttributeError):
+        pass
+    with contextlib.suppress(OSError):  # no libc to call: at least no one writes after this
+        _BaseSocket.shutdown(sock, _socket.SHUT_RDWR)
+
+
+def daemon_exited(pid: int, wait: float = _EXIT_WAIT) -> bool:
+    """Has process ``pid`` (the daemon, from SO_PEERCRED) exited, within ``wait`` seconds?
+    A pid of another namespace (0) or no pidfd support: we cannot know, so no."""
+    if pid <= 0:
+        return False
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (OSError, AttributeError):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(wait * 1000))
+    finally:
+        os.close(pidfd)
+
+
+# --- one request, one reply -------------------------------------------------------------------
+
+
+def unexpected(reply: messages.Reply, what: str) -> Fallback:
+    if isinstance(reply, messages.Error):
+        return messages.daemon_error(f"{what} refused: {reply.code.name}: {reply.message}")
+    return messages.daemon_error(f"unexpected {reply.TYPE.name} reply to {what}")
+
+
+def exchange(
+    request: messages.Request,
+    fd: int,
+    what: str,
+    precheck: Callable[[], Fallback | None] | None = None,
+) -> tuple[_socket.socket, messages.Reply, list[int]] | Fallback:
+    """Send ``request`` with ``fd``; the open control connection, reply and its fds — or the
+    fallback to report when there is no usable answer (then nothing is left open). For what
+    carries no stream (LISTEN); a connection's handoff goes through :func:`hand_over`.
+    ``precheck`` runs once a daemon answered, before anything is sent."""
+    timeout = messages.handoff_timeout()
+    try:
+        ctl, _pid = connect_daemon(timeout)
+    except NoDaemon as e:
+        return messages.daemon_unavailable(str(e))
+    refusal = precheck() if precheck is not None else None
+    if refusal is not None:
+        ctl.close()
+        return refusal
+    try:
+        messages.send_message(ctl, request, [fd])
+        reply, fds = messages.recv_message(ctl, requests=False)
+    except TimeoutError:
+        ctl.close()
+        return messages.daemon_unavailable(f"no reply to {what} within {timeout:g} s")
+    except messages.HandoffProtocolError as e:
+        ctl.close()
+        return messages.daemon_error(f"invalid reply to {what}: {e}")
+    except (messages.HandoffClosedError, OSError) as e:
+        ctl.close()
+        return messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
+    return ctl, reply, fds  # type: ignore[return-value]
+
+
+def _abort(sock: _socket.socket, code: int, text: str) -> OSError:
+    """Reset the connection and make the error to raise."""
+    reset(sock)
+    log.warning("%s: connection reset", text)
+    if code == errno.ETIMEDOUT:
+        return TimeoutError(code, f"{text}: connection reset")
+    return ConnectionResetError(code, f"{text}: connection reset")
+
+
+def _settle(
+    sock: _socket.socket,
+    before: StreamMark,
+    server_side: bool,
+    fallback: Fallback,
+    what: str,
+    *,
+    trusted: bool = False,
+) -> Fallback:
+    """The fallback, when the stream allows it (see the module docstring); else the error."""
+    after = StreamMark.take(sock)
+    untouched = after.untouched_since(before)
+    outcome = f"smcd: {what} ended in {fallback.name}"
+    if not untouched and not trusted:
+        raise _abort(sock, errno.ECONNRESET, f"{outcome} after {after.describe_since(before)}")
+    if (server_side or not untouched) and clc_at_head(sock):
+        raise _abort(sock, errno.ECONNRESET, f"{outcome} with CLC bytes waiting to be read")
+    return fallback
+
+
+def hand_over(
+    sock: _socket.socket,
+    request: messages.Connect | messages.Accept,
+    precheck: Callable[[], Fallback | None] | None = None,
+) -> tuple[_socket.socket, messages.Channel, list[int]] | Fallback:
+    """Offer the connected TCP ``sock`` to the daemon: the open control connection, CHANNEL reply
+    and its fds; or the fallback, with the stream as the application left it; or, when that is
+    not so, :class:`ConnectionResetError`/:class:`TimeoutError` after resetting the connection.
+    ``precheck`` runs once a daemon answered, before anything is sent."""
+    what = request.TYPE.name
+    server_side = isinstance(request, messages.Accept)
+    timeout = messages.handoff_timeout()
+    try:
+        ctl, pid = connect_daemon(timeout)
+    except NoDaemon as e:
+        return messages.daemon_unavailable(str(e))
+    refusal = precheck() if precheck is not None else None
+    if refusal is not None:
+        ctl.close()
+        return refusal
+    before = StreamMark.take(sock)
+    try:
+        messages.send_message(ctl, request, [_BaseSocket.fileno(sock)])
+    except OSError as e:  # a SEQPACKET datagram is sent whole or not at all: nothing left
+        ctl.close()
+        return messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
+    try:
+        msg, fds = messages.recv_message(ctl, requests=False)
+    except TimeoutError:
+        ctl.close()
+        text = f"smcd: no reply to {what} within {timeout:g} s (the daemon still holds the socket)"
+        raise _abort(sock, errno.ETIMEDOUT, text) from None
+    except messages.HandoffProtocolError as e:
+        ctl.close()
+        fallback = messages.daemon_error(f"invalid reply to {what}: {e}")
+        return _settle(sock, before, server_side, fallback, what)
+    except (messages.HandoffClosedError, OSError) as e:
+        ctl.close()
+        if not daemon_exited(pid):
+            text = f"smcd hung up on {what} without a reply and still runs ({e})"
+            raise _abort(sock, errno.ECONNRESET, text) from None
+        fallback = messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
+        return _settle(sock, before, server_side, fallback, what)
+    reply = cast("messages.Reply", msg)  # recv_message(requests=False) returns only replies
+    if isinstance(reply, messages.Channel):
+        return ctl, reply, fds
+    ctl.close()
+    messages.close_fds(fds)
+    if isinstance(reply, Fallback):
+        return _settle(sock, before, server_side, reply, what, trusted=reply.after_decline)
+    return _settle(sock, before, server_side, unexpected(reply, what), what)
+
+
+# --- after CHANNEL ----------------------------------------------------------------------------
+
+
+@dataclass
+class ChannelState:
+    """What an SmcSocket holds while its data goes through a channel."""
+
+    channel: _Channel
+    control: _socket.socket | None
+    info: messages.Channel
+    role: messages.Role
+    conn_id: int = 0
+    rd_shut: bool = False
+    wr_shut: bool = False
+    next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
+    deadline: float | None = None  # of the sendall() in progress (None: per call)
+
+    RECHECK_S = 1.0
+
+    @property
+    def sent(self) -> int:
+        """Bytes sent over the channel (the channel counts them: the data path does not)."""
+        return self.channel.bytes_sent
+
+    @property
+    def received(self) -> int:
+        return self.channel.bytes_received
+
+    def notify(self, msg: messages.Request) -> None:
+        """Tell the daemon (best effort: the channel never depends on it)."""
+        if self.control is None:
+            return
+        try:
+            self.control.setblocking(False)
+            messages.send_message(self.control, msg)
+        except OSError:
+            self.control.close()
+            self.control = None
+
+    def check_daemon(self, tcp_fd: int) -> None:
+        """Called before a wait, at most once a second (the first time a second after the
+        handoff: a short connection never pays for it): read the daemon's late replies (OK to
+        RESUME), and when the daemon went away (hang-up) RESUME with the one that replaced
+        it, without waiting for its answer. Never raises: the channel does not need this."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + self.RECHECK_S
+        ctl = self.control
+        if ctl is not None:
+            try:
+                ctl.setblocking(False)
+                while True:
+                    msg, fds = messages.recv_message(ctl, requests=False)
+                    messages.close_fds(fds)
+                    if isinstance(msg, messages.Ok):
+                        self.conn_id = msg.ident
+            except (BlockingIOError, InterruptedError):
+                return  # the daemon is still there
+            except (OSError, messages.HandoffError):
+                ctl.close()
+                self.control = None
+        try:
+            ctl, _pid = connect_daemon(0.2)
+        except NoDaemon:
+            return
+        resume = messages.Resume(
+            self.conn_id,
+            self.role,
+            self.info.mode,
+            self.info.rx_size,
+            self.info.tx_size,
+            self.sent,
+            self.received,
+        )
+        try:
+            ctl.setblocking(False)
+            messages.send_message(ctl, resume, [tcp_fd])
+        except OSError:
+            ctl.close()
+            return
+        self.control = ctl
+        log.debug("connection %d: RESUME sent to the new daemon", self.conn_id)
+
+
+# --- listeners --------------------------------------------------------------------------------
+
+
+class Registration:
+    """A listening socket's LISTEN registration with smcd, renewed if the daemon comes back."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, listener: _socket.socket) -> None:
+        self._listener = listener
+        self._control: _socket.socket | None = None
+        self._hangup = select.poll()  # watches _control (used under _lock)
+        self.listener_id: int | None = None
+        self.fallback: Fallback | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()  # accept loops may ask from several threads
+        self._register()
+
+    def _register(self) -> None:
+        self._next_try = time.monotonic() + self.RETRY_S
+        result = exchange(messages.Listen(), _BaseSocket.fileno(self._listener), "LISTEN")
+        if isinstance(result, Fallback):
+            self.fallback = result
+            log.debug("listener not registered: %s", result)
+            return
+        ctl, reply, fds = result
+        messages.close_fds(fds)
+        if isinstance(reply, messages.Ok):
+            self._control, self.listener_id, self.fallback = ctl, reply.ident, None
+            self._hangup = select.poll()
+            self._hangup.register(ctl, select.POLLIN)
+            log.debug("listener %d registered", reply.ident)
+            return
+        ctl.close()
+        self.fallback = reply if isinstance(reply, Fallback) else unexpected(reply, "LISTEN")
+
+    @property
+    def active(self) -> bool:
+        """True while the daemon holds the registration; one poll(0) per call, and a retry at
+        most every second once the daemon dropped it (e.g. restarted)."""
+        with self._lock:
+            ctl = self._control
+            # HUP (nothing is ever sent after OK): the daemon let go
+            if ctl is not None and self._hangup.poll(0):
+                ctl.close()
+                self._control = self.listener_id = None
+            if self._control is None and time.monotonic() >= self._next_try:
+                self._register()
+            return self._control is not None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._control is not None:
+                self._control.close()
+                self._control = None
+            self._next_try = float("inf")  # closed for good: never register again
