@@ -169,8 +169,12 @@ def clip(text: str, limit: int = m.MAX_TEXT) -> str:
     return raw.decode("utf-8", "ignore")
 
 
-def fallback_message(code: int, detail: str, peer_diagnosis: int | None = None) -> m.Fallback:
-    return m.Fallback(code, reason_name(code), clip(detail), peer_diagnosis)
+def fallback_message(
+    code: int, detail: str, peer_diagnosis: int | None = None, *, after_decline: bool = False
+) -> m.Fallback:
+    """``after_decline``: CLC crossed the stream and ended in a Decline (sent or received); the
+    library trusts a FALLBACK over a stream it sees touched only with it."""
+    return m.Fallback(code, reason_name(code), clip(detail), peer_diagnosis, after_decline)
 
 
 LOCAL_ADDRESS_TTL = 2.0

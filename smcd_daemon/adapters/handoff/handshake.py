@@ -348,7 +348,10 @@ class Handshakes:
         srv.stats.fallbacks += 1
         code = outcome.reason
         # The reply first (the application waits for it), the bookkeeping after.
-        srv.send(client, fallback_message(code, outcome.detail, outcome.peer_diagnosis))
+        crossed = outcome.declined or outcome.peer_diagnosis is not None  # a Decline ended CLC
+        diag = outcome.peer_diagnosis
+        reply = fallback_message(code, outcome.detail, diag, after_decline=crossed)
+        srv.send(client, reply)
         conn = Connection(
             **draft,
             mode=ConnMode.TCP,
