@@ -92,6 +92,20 @@ def above_bound(
     return limit
 
 
+def below_bound(
+    key: str, factor: float, bound: str, name: str
+) -> Callable[[UserResults], str | None]:
+    """ "``factor``x tcp < ``name``" when the target time is below the measured bound."""
+
+    def limit(res: UserResults) -> str | None:
+        t, b = _get(res, "tcp", key), _get(res, "bound", bound)
+        if t is None or b is None or factor * t >= b:
+            return None
+        return f"{factor:g}x tcp < {name}"
+
+    return limit
+
+
 def _all(*oks: Callable[[UserResults], bool]) -> Callable[[UserResults], bool]:
     return lambda res: all(ok(res) for ok in oks)
 
@@ -128,14 +142,20 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
         URow("  bound: that receiver reading memory", "work", "GB/s", GB, bound=True),
     ]
     for _size, name, key, factor in RR_SIZES:
+        p50 = f"rr_{key}_p50"
         out.append(
             URow(
                 f"round trip {name}, p50",
-                f"rr_{key}_p50",
+                p50,
                 "us",
-                check=Check(f"<= {factor:g}x tcp", ratio_at_most(f"rr_{key}_p50", factor)),
+                check=Check(
+                    f"<= {factor:g}x tcp",
+                    ratio_at_most(p50, factor),
+                    below_bound(p50, factor, p50, "bound"),
+                ),
             )
         )
+        out.append(URow("  bound: C shared-memory echo, p50", p50, "us", bound=True))
         out.append(URow(f"round trip {name}, p99", f"rr_{key}_p99", "us"))
     out += [
         URow(

@@ -51,7 +51,7 @@ from _table import (  # noqa: E402
     empty_results,
     render,
 )
-from userview import USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
+from userview import PLANS, USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
 
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
 
@@ -259,9 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="the classic table (explicit 1 MiB DMBs, a UEID), the user view, or both",
     )
+    ap.add_argument(
+        "--user-plan", choices=sorted(PLANS), help="the user view's sizes (default: by --quick)"
+    )
+    ap.add_argument(
+        "--user-config",
+        metavar="FILE",
+        help="configuration for the user view's smcd (default: none, which is the point; for "
+        "comparing settings by hand)",
+    )
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    user_plan = USER_QUICK if args.quick else USER_FULL
+    user_plan = PLANS[args.user_plan] if args.user_plan else USER_QUICK if args.quick else USER_FULL
+    user_config = Path(args.user_config).read_text() if args.user_config else ""
     started = time.monotonic()
     host = machine()  # before we load the machine ourselves
 
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         run_classic(bench, config, progress)
     user = None
     if args.sections in ("all", "user"):
-        user = run_user_view(user_plan, bench.res[CEILING]["tput_64k"], progress)
+        user = run_user_view(user_plan, bench.res[CEILING]["tput_64k"], progress, user_config)
     took = time.monotonic() - started
 
     print(f"smcd benchmark{' (--quick)' if args.quick else ''}: two Python processes per figure")
@@ -313,12 +323,15 @@ def run_classic(bench: Bench, config: str, progress: Callable[[str], None]) -> N
 
 
 def run_user_view(
-    plan: UserPlan, ceiling: float | None, progress: Callable[[str], None]
+    plan: UserPlan, ceiling: float | None, progress: Callable[[str], None], config: str = ""
 ) -> UserView:
     """The user view against a private smcd with no configuration file (its own daemon, started
-    after the classic one stopped, so the two never share the machine)."""
-    daemon = PrivateSmcd(log_level="warning", config_text="", name="bench-user")
+    after the classic one stopped, so the two never share the machine). ``config``: TOML for
+    comparing settings by hand; the table then says so."""
+    daemon = PrivateSmcd(log_level="warning", config_text=config, name="bench-user")
     view = UserView(plan, daemon.env, None)
+    if config:
+        view.notes.append(f"user view: smcd configured with {config.strip()!r}, not the defaults")
     try:
         try:
             daemon.start()

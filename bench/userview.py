@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _ceiling
+import _rtt_ceiling
 from _usertable import RR_SIZES, Modes, UserResults
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +84,19 @@ USER_QUICK = UserPlan(
     conns_warmup=4,
     idle=20,
 )
+
+USER_MEDIUM = UserPlan(
+    bulk_bytes=256 << 20,
+    bulk_warmup=32 << 20,
+    repeats=3,
+    rr_rounds=2_000,
+    rr_warmup=200,
+    conns=300,
+    conns_warmup=20,
+    idle=200,
+)
+"""For comparing configurations by hand (``bench/run.py --sections user --user-plan medium``)."""
+PLANS = {"quick": USER_QUICK, "medium": USER_MEDIUM, "full": USER_FULL}
 
 _VERBOSE = re.compile(
     r"^smc-run\[\d+\]: (?:connect|accept) \(.*?\): (\w+)(?: conn \d+)?(?: \((.*)\))?$"
@@ -335,6 +350,13 @@ class UserView:
         for size, name, key, _ in RR_SIZES:
             progress(f"user view: round trips, {name}")
             self.measure((f"rr_{key}_p50", f"rr_{key}_p99"), self.rr(size))
+        progress("user view: round-trip bound (C, shared memory)")
+        try:
+            bounds = _rtt_ceiling.measure([s for s, *_ in RR_SIZES], p.rr_rounds, p.rr_warmup)
+            for size, _, key, _ in RR_SIZES:
+                self.res["bound"][f"rr_{key}_p50"] = bounds[size]
+        except (_ceiling.CeilingError, OSError) as e:
+            self.notes.append(f"user view round-trip bound: {e}")
         progress("user view: connections, one at a time")
         self.measure(("conns_1", "connect_p50"), self.conns(1))
         progress(f"user view: connections, {p.concurrency} at a time")
