@@ -1,0 +1,47 @@
+"""``bench/asyncio_rows.py --quick`` (the asyncio rows of ``make bench``): runs end to end with
+uvicorn, aiohttp and asyncio streams on TCP and under smc-run, and prints every row complete.
+
+Checks structure, never speed: each row has both figures, its ratio, a met mark where it has a
+target, and the transport smc-run -v reported (``smcd``: the private daemon has a UEID); the share
+of the HTTP time outside the transport is a percentage for both kinds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = REPO / "bench" / "asyncio_rows.py"
+NUM = r"[\d,]+(?:\.\d+)?"
+LABELS = {
+    "asyncio streams bulk, 64 KiB writes": ">= 2x tcp",
+    "asyncio round trip 1 KiB, p50": "<= 0.5x tcp",
+    "uvicorn+aiohttp keep-alive 64 KiB": ">= 1x tcp",
+    "uvicorn+aiohttp keep-alive 64 KiB, p50": "<= 1x tcp",
+    "asyncio round trip 100 B -> 64 KiB, p50": "-",
+}
+
+
+def test_quick_asyncio_rows_are_complete() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMCD_")}
+    proc = subprocess.run(
+        [sys.executable, os.fspath(ROWS), "--quick"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-2000:]
+    for label, target in LABELS.items():
+        row = re.search(
+            rf"^{re.escape(label)}\s+\S+\s+({NUM})\s+({NUM})\s+(\d+\.\d\dx)\s+"
+            rf"{re.escape(target)}\s+(yes|NO|-)\s+(.+)$",
+            out, flags=re.M,
+        )  # fmt: skip
+        assert row, f"row {label!r} missing or incomplete:\n{out}"
+        assert row.group(5).strip() == "smcd", row.group(0)
+        assert (row.group(4) == "-") == (target == "-"), row.group(0)
+    share = re.search(r"^HTTP p50 outside the transport\s+%\s+(\d+)\s+(\d+)", out, flags=re.M)
+    assert share and all(0 <= int(s) <= 100 for s in share.groups()), out
