@@ -409,6 +409,28 @@ class QuotaConfig(_Section):
     connections: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=2048, ge=0)
 
 
+class LimitsConfig(_Section):
+    """What one user may take of the handoff server, and when smcd stops starting handshakes
+    (smcd_daemon.core.admission). A request past a limit falls back to TCP before any CLC byte:
+    the application keeps its socket as it left it; other users are not affected."""
+
+    pending_per_user: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=64, ge=0)
+    connections_per_user: Count = _doc(
+        "must be an integer ≥ 0; 0 = two per quota.connections plus 64", default=0, ge=0
+    )
+    handshakes_per_user: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=64, ge=0)
+    handshakes: Count = _doc("must be an integer ≥ 1", default=256, ge=1)
+    first_request_wait: Seconds = _doc(
+        f"must be a number of seconds, {_SECONDS_LE}", default=5.0, gt=0, le=MAX_TIMEOUT
+    )
+    overload_lag: Seconds = _doc(
+        f"must be a number of seconds, 0 (off) ≤ seconds ≤ {MAX_TIMEOUT:g}",
+        default=1.0,
+        ge=0,
+        le=MAX_TIMEOUT,
+    )
+
+
 class TimeoutsConfig(_Section):
     """Protocol timers in seconds; defaults are the Linux kernel's."""
 
@@ -483,6 +505,7 @@ class Config(_Section):
     eid: EidConfig = _doc("must be a table", default_factory=EidConfig)
     buffers: BuffersConfig = _doc("must be a table", default_factory=BuffersConfig)
     quota: QuotaConfig = _doc("must be a table", default_factory=QuotaConfig)
+    limits: LimitsConfig = _doc("must be a table", default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = _doc("must be a table", default_factory=TimeoutsConfig)
     modes: ModesConfig = _doc("must be a table", default_factory=ModesConfig)
     smcr: SmcrConfig = _doc("must be a table", default_factory=SmcrConfig)
@@ -678,6 +701,12 @@ RELOADABLE: frozenset[str] = frozenset(
         "buffers.pool_max_buffers",
         "quota.buffer_bytes",
         "quota.connections",
+        "limits.pending_per_user",
+        "limits.connections_per_user",
+        "limits.handshakes_per_user",
+        "limits.handshakes",
+        "limits.first_request_wait",
+        "limits.overload_lag",
         "timeouts.clc_wait",
         "timeouts.proposal_wait",
         "timeouts.first_llc",

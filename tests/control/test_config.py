@@ -191,7 +191,7 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
         (
             "x = 1\n",
             "x = 1: unknown key 'x'; known keys: runtime_dir, handoff_socket, state_dir, "
-            "log_level, peers, dbus, eid, buffers, quota, timeouts, modes, smcr",
+            "log_level, peers, dbus, eid, buffers, quota, limits, timeouts, modes, smcr",
         ),
         (
             "[timeouts]\nclc = 3\n",
