@@ -20,6 +20,7 @@ from smc_handoff import layout
 
 __all__ = [
     "FALLBACK_CHANNEL_UNSUPPORTED",
+    "FALLBACK_DAEMON_BUSY",
     "FALLBACK_DAEMON_ERROR",
     "FALLBACK_DAEMON_UNAVAILABLE",
     "FALLBACK_DETACHED",
@@ -85,6 +86,9 @@ FALLBACK_CHANNEL_UNSUPPORTED = 0xFF000003
 FALLBACK_DETACHED = 0xFF000004
 """Local fallback code: the application detached the TCP socket (e.g. for ``ssl``) before any
 data moved over the channel, which was then closed."""
+FALLBACK_DAEMON_BUSY = 0xFF000005
+"""Local fallback code: the daemon was too busy to start a handshake (at its handshake capacity,
+past this user's fair share, or its event loop running late) and said so before any CLC byte."""
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_]{1,64}")
 

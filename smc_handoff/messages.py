@@ -166,6 +166,7 @@ from pathlib import Path
 
 from smc_handoff.message_defs import (
     FALLBACK_CHANNEL_UNSUPPORTED,
+    FALLBACK_DAEMON_BUSY,
     FALLBACK_DAEMON_ERROR,
     FALLBACK_DAEMON_UNAVAILABLE,
     FALLBACK_DETACHED,
@@ -208,6 +209,7 @@ from smc_handoff.message_defs import (
 
 __all__ = [
     "FALLBACK_CHANNEL_UNSUPPORTED",
+    "FALLBACK_DAEMON_BUSY",
     "FALLBACK_DAEMON_ERROR",
     "FALLBACK_DAEMON_UNAVAILABLE",
     "FALLBACK_DETACHED",

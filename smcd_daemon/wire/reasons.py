@@ -94,6 +94,7 @@ class LocalReason(IntEnum):
     DAEMON_ERROR = 0xFF000002
     CHANNEL_UNSUPPORTED = 0xFF000003
     DETACHED = 0xFF000004
+    DAEMON_BUSY = 0xFF000005
 
 
 class LegacyDeclineReason(IntEnum):
@@ -182,6 +183,12 @@ _LOCAL: dict[int, tuple[str, str]] = {
     LocalReason.DETACHED: (
         "the application detached the TCP socket before any data moved (ssl does this)",
         "Expected for TLS: the TLS session runs over TCP. Nothing to do.",
+    ),
+    LocalReason.DAEMON_BUSY: (
+        "smcd was too busy to start a handshake (its handshake capacity, this user's fair share "
+        "of it, or its event loop running late) and handed the socket back before any CLC byte",
+        "Transient under load; if it persists, raise [limits] handshakes or overload_lag in "
+        "smcd.toml, or find what keeps smcd busy (smcctl stats).",
     ),
 }
 
