@@ -15,9 +15,13 @@ because the daemon may die, freeze or lie:
   ended in a Decline both ends processed (``Fallback.after_decline``); a FALLBACK that touched
   the stream without saying so is an error. ERROR, an invalid reply or a hang-up fall back only
   when the stream is untouched; otherwise an error.
-- A hang-up counts as "the daemon let go" only when its process is gone (checked with a pidfd:
-  its copies of the descriptor died with it). A live daemon that hangs up without a reply may
-  still hold a copy and write later, so that is an error too.
+- A hang-up counts as "the daemon let go" when our request was never read (ECONNRESET: the
+  descriptor never reached it) or when the listening process is gone (a pidfd: its copies of
+  the descriptor died with it). A live daemon that hangs up without a reply may still hold a
+  copy and write later, so that is an error too (also under socket activation, where the pid
+  is systemd's and so never gone).
+- A server half retries a full handoff queue for :data:`ACCEPT_BUSY_WAIT`: its client half may
+  be queued at the same daemon and propose after the server half fell back.
 - No reply within :func:`~smc_handoff.messages.handoff_timeout` (a frozen or overloaded daemon)
   is always an error (``ETIMEDOUT``), untouched or not: the daemon still holds a copy of the
   descriptor and would go on with the handshake when it wakes up. No cancel can be safe (a
@@ -92,6 +96,11 @@ _INT = struct.Struct("i")
 _INT0 = bytes(_INT.size)
 _TCP_CLOSE = 7
 _FIN_RECEIVED = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
+_BUSY_RETRY = 0.01
+ACCEPT_BUSY_WAIT = 1.0
+"""Seconds a server half retries a daemon whose handoff queue is full before it stays on TCP:
+the client half may be queued at the same daemon and propose later, which only the daemon
+sees (a client that proposes after the server half fell back is the one race left)."""
 _EXIT_WAIT = 0.25
 """Seconds a hang-up waits for the daemon's process to be gone (its exit closes the handoff
 socket before the process is reaped)."""
@@ -101,24 +110,31 @@ class NoDaemon(Exception):
     """No usable daemon at any candidate path; the message says why (for the fallback)."""
 
 
-def connect_daemon(timeout: float) -> tuple[_socket.socket, int]:
-    """A SEQPACKET connection to a trusted daemon and the daemon's pid, or :class:`NoDaemon`."""
+def connect_daemon(timeout: float, busy_wait: float = 0.0) -> tuple[_socket.socket, int]:
+    """A SEQPACKET connection to a trusted daemon and the pid of whoever listens (the daemon,
+    or systemd for an inherited socket), or :class:`NoDaemon`. A full listen queue (EAGAIN) is
+    retried for ``busy_wait`` seconds."""
     problems = []
+    until = time.monotonic() + busy_wait
     for path in messages.handoff_socket_candidates():
-        ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-        try:
-            ctl.settimeout(timeout)
-            ctl.connect(os.fspath(path))
-            cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
-            pid, uid, _gid = _PEERCRED.unpack(cred)
-            if uid != 0 and uid != os.getuid():
-                raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
-        except (OSError, NoDaemon) as e:
-            ctl.close()
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
-            problems.append(f"{path}: {reason}")
-            continue
-        return ctl, pid
+        while True:
+            ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+            try:
+                ctl.settimeout(timeout)
+                ctl.connect(os.fspath(path))
+                cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
+                pid, uid, _gid = _PEERCRED.unpack(cred)
+                if uid != 0 and uid != os.getuid():
+                    raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
+            except (OSError, NoDaemon) as e:
+                ctl.close()
+                if isinstance(e, BlockingIOError) and time.monotonic() < until:
+                    time.sleep(_BUSY_RETRY)
+                    continue
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
+                problems.append(f"{path}: {reason}")
+                break
+            return ctl, pid
     raise NoDaemon("; ".join(problems) or "no handoff socket path")
 
 
@@ -300,6 +316,15 @@ def _settle(
     return fallback
 
 
+def _unsent(sock: _socket.socket, server_side: bool, fallback: Fallback, what: str) -> Fallback:
+    """The fallback when the socket never left: a server half still checks the head (a client
+    whose daemon got through proposed, and no daemon will answer it here)."""
+    if server_side and clc_at_head(sock):
+        text = f"smcd: {what} ended in {fallback.name} with CLC bytes waiting to be read"
+        raise _abort(sock, errno.ECONNRESET, text)
+    return fallback
+
+
 def hand_over(
     sock: _socket.socket,
     request: messages.Connect | messages.Accept,
@@ -313,19 +338,20 @@ def hand_over(
     server_side = isinstance(request, messages.Accept)
     timeout = messages.handoff_timeout()
     try:
-        ctl, pid = connect_daemon(timeout)
+        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT if server_side else 0.0)
     except NoDaemon as e:
-        return messages.daemon_unavailable(str(e))
+        return _unsent(sock, server_side, messages.daemon_unavailable(str(e)), what)
     refusal = precheck() if precheck is not None else None
     if refusal is not None:
         ctl.close()
-        return refusal
+        return _unsent(sock, server_side, refusal, what)
     before = StreamMark.take(sock)
     try:
         messages.send_message(ctl, request, [_BaseSocket.fileno(sock)])
     except OSError as e:  # a SEQPACKET datagram is sent whole or not at all: nothing left
         ctl.close()
-        return messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
+        text = f"handoff connection failed during {what}: {e}"
+        return _unsent(sock, server_side, messages.daemon_unavailable(text), what)
     try:
         msg, fds = messages.recv_message(ctl, requests=False)
     except TimeoutError:
@@ -338,7 +364,11 @@ def hand_over(
         return _settle(sock, before, server_side, fallback, what)
     except (messages.HandoffClosedError, OSError) as e:
         ctl.close()
-        if not daemon_exited(pid):
+        # ECONNRESET: the daemon closed with our request unread, so the descriptor never
+        # reached it. A plain hang-up came after it took the request: only its death (its
+        # copies die with it) says it let go.
+        unread = isinstance(e, ConnectionResetError)
+        if not unread and not daemon_exited(pid):
             text = f"smcd hung up on {what} without a reply and still runs ({e})"
             raise _abort(sock, errno.ECONNRESET, text) from None
         fallback = messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")

@@ -495,6 +495,83 @@ def test_a_silent_daemon_times_out_and_its_late_write_goes_nowhere(
     peer.close()
 
 
+def test_a_request_the_daemon_never_read_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live daemon that closes the connection with the request unread (ECONNRESET): the
+    descriptor never reached it, so TCP as left — unlike a hang-up after reading."""
+    path = tmp_path / "rude.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(path))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as lst:
+        lst.bind(os.fspath(path))
+        lst.listen(8)
+
+        def rude() -> None:
+            conn, _ = lst.accept()
+            while not select_readable(conn):
+                pass
+            conn.close()  # the CONNECT and its descriptor still queued: reset, fds dropped
+
+        t = threading.Thread(target=rude)
+        t.start()
+        ours, peer = tcp_pair()
+        sock = smc_handoff.wrap(ours)
+        t.join(5)
+        assert sock.mode == "tcp" and sock.fallback is not None
+        assert "Connection reset" in sock.fallback.explanation
+        assert_exact_tcp(sock, peer)
+        sock.close()
+        peer.close()
+
+
+def select_readable(sock: socket.socket) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        return bool(sel.select(1.0))
+
+
+@pytest.mark.parametrize("proposal", [False, True])
+def test_a_server_half_waits_out_a_full_handoff_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proposal: bool
+) -> None:
+    """The daemon's handoff queue is full (a flood): the client half falls back at once, as
+    nothing was sent; the server half retries for ACCEPT_BUSY_WAIT, because its client may be
+    queued at the same daemon and propose meanwhile — a Proposal that arrives makes it an
+    error, silence TCP as left."""
+    path = tmp_path / "full.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(path))
+    with contextlib.ExitStack() as stack:
+        lst = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        lst.bind(os.fspath(path))
+        lst.listen(0)
+        while True:  # fill the queue; never accept
+            filler = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            filler.setblocking(False)
+            try:
+                filler.connect(os.fspath(path))
+            except BlockingIOError:
+                break
+        client, server = tcp_pair()
+        t0 = time.monotonic()
+        c = smc_handoff.wrap(client)
+        assert c.mode == "tcp" and time.monotonic() - t0 < 0.5
+        if proposal:
+            threading.Timer(0.3, c.sendall, (PROPOSAL_HEAD,)).start()
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionResetError, match="CLC bytes waiting"):
+                smc_handoff.wrap(server, server_side=True)
+            assert_peer_sees_the_reset(c)
+        else:
+            t0 = time.monotonic()
+            s = smc_handoff.wrap(server, server_side=True)
+            assert s.mode == "tcp" and s.fallback is not None
+            assert "temporarily unavailable" in s.fallback.explanation
+            assert_exact_tcp(s, c)
+            s.close()
+        assert h.ACCEPT_BUSY_WAIT - 0.1 < time.monotonic() - t0 < h.ACCEPT_BUSY_WAIT + 1.0
+        c.close()
+
+
 @pytest.mark.parametrize("action", ["write", "nothing"])
 def test_a_daemon_that_dies_mid_handoff(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str
