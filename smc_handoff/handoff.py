@@ -95,6 +95,7 @@ _SIOCOUTQ = termios.TIOCOUTQ
 _INT = struct.Struct("i")
 _INT0 = bytes(_INT.size)
 _TCP_CLOSE = 7
+_UNKNOWN = -1  # StreamMark.state when the kernel does not say
 _FIN_RECEIVED = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
 _BUSY_RETRY = 0.01
 ACCEPT_BUSY_WAIT = 1.0
@@ -160,7 +161,9 @@ class StreamMark:
         last = reading = (0, 0, 0)
         for tries in range(8):
             raw = getsockopt(_TCP, _socket.TCP_INFO, size)
-            state, acked, received = _TCP_INFO.unpack_from(raw.ljust(size, b"\0"))
+            if len(raw) < size:  # a kernel without the byte counts (before 4.2)
+                return cls(0, 0, _UNKNOWN)
+            state, acked, received = _TCP_INFO.unpack_from(raw)
             outq = unpack(ioctl(fd, _SIOCOUTQ, _INT0))[0]
             inq = unpack(ioctl(fd, _SIOCINQ, _INT0))[0]
             # bytes_received counts the peer's FIN once it arrived; SIOCINQ never does
@@ -173,12 +176,14 @@ class StreamMark:
 
     def untouched_since(self, before: StreamMark) -> bool:
         """Nothing written or consumed since ``before``. False once the socket is closed (the
-        kernel zeroes its counters on a disconnect): nobody can tell then."""
-        if _TCP_CLOSE in (self.state, before.state):
+        kernel zeroes its counters on a disconnect) or without counts: nobody can tell then."""
+        if _TCP_CLOSE in (self.state, before.state) or _UNKNOWN in (self.state, before.state):
             return False
         return self.written == before.written and self.consumed == before.consumed
 
     def describe_since(self, before: StreamMark) -> str:
+        if _UNKNOWN in (self.state, before.state):
+            return "this kernel does not count a TCP stream's bytes"
         if _TCP_CLOSE in (self.state, before.state):
             return "the TCP connection was closed"
         wrote, read = self.written - before.written, self.consumed - before.consumed

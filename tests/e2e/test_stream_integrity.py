@@ -143,6 +143,17 @@ def test_a_closed_connection_is_never_untouched() -> None:
         assert "closed" in after.describe_since(before)
 
 
+def test_without_the_kernels_counts_nothing_is_untouched() -> None:
+    """A kernel whose TCP_INFO lacks the byte counts (before 4.2) gives marks that never
+    compare equal: every failed handoff is then an error, never a blind fallback."""
+    a, b = tcp_pair()
+    with a, b:
+        real = h.StreamMark.take(a)
+        blind = h.StreamMark(0, 0, -1)
+        assert not blind.untouched_since(blind) and not real.untouched_since(blind)
+        assert "does not count" in real.describe_since(blind)
+
+
 @pytest.mark.parametrize(
     ("data", "clc"),
     [
