@@ -462,13 +462,14 @@ class Daemon:
 
     def _record_bus(self, address: str) -> None:
         """Write :data:`BUS_RECORD_FILE` (best effort: smcctl can still be given --bus)."""
-        from dbus_fast import BusType
-        from dbus_fast._private.address import get_bus_address
-
-        resolved = address
-        if address in ("system", "session"):
-            kind = BusType.SYSTEM if address == "system" else BusType.SESSION
-            resolved = get_bus_address(kind)
+        resolved = address  # the well-known buses as the D-Bus spec (and dbus-fast) find them
+        if address == "system":
+            resolved = os.environ.get(
+                "DBUS_SYSTEM_BUS_ADDRESS", "unix:path=/var/run/dbus/system_bus_socket"
+            )
+        elif address == "session":
+            xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+            resolved = os.environ.get("DBUS_SESSION_BUS_ADDRESS") or f"unix:path={xdg}/bus"
         path = self.cfg.runtime_dir / BUS_RECORD_FILE
         try:
             tmp = path.with_name(BUS_RECORD_FILE + ".new")

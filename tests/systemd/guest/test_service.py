@@ -138,6 +138,7 @@ def readme_install_commands() -> list[str]:
 # -- install -----------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(900)
 def test_install_as_the_readme_says() -> None:
     """The README's install block, run as it stands (in the checkout, as root)."""
     cmds = readme_install_commands()
