@@ -805,6 +805,23 @@ def talk(a: Peer, b: Peer, n: int = 300_000) -> tuple[str, str]:
     return stream_ok(ra, rb["sent_sha"]), stream_ok(rb, ra["sent_sha"])
 
 
+def server_recv_q(port: int, want: Callable[[int], bool], timeout: float = 10.0) -> None:
+    """Wait until the Recv-Q of the server side of the connection to ``port`` (accepted or
+    not: ``ss`` shows both) satisfies ``want``: bytes from the client waiting, or taken."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        if out and want(int(out[0])):
+            return
+        assert time.monotonic() < deadline, f"Recv-Q never as wanted: {out}"
+        time.sleep(0.02)
+
+
 def raw_client(port: int, first: bytes) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(first)
@@ -832,7 +849,8 @@ def test_client_half_mid_handshake(smcd: Smcd, peers: Callable[..., Peer], stop:
         listening = server.call("listen")
         assert listening["registered"]
         client.send("connect", port=listening["port"])
-        time.sleep(0.7)  # the Proposal is out; the daemon waits up to clc_wait (6 s)
+        server_recv_q(listening["port"], lambda n: n > 0)  # the daemon wrote the Proposal
+        time.sleep(0.1)  # and waits up to clc_wait (6 s) for the Accept
         stop(smcd)
         c = client.reply()
         want = errno.ECONNRESET if stop is kill else errno.ETIMEDOUT
@@ -858,7 +876,8 @@ def test_server_half_mid_handshake(smcd: Smcd, peers: Callable[..., Peer], stop:
         assert listening["registered"]
         server.send("accept")
         raw = raw_client(listening["port"], PROPOSAL_HEAD + bytes(20))
-        time.sleep(0.7)  # the daemon peeked, took the header, waits for 112 more bytes
+        server_recv_q(listening["port"], lambda n: n == 0)  # the daemon took the 28 bytes
+        time.sleep(0.1)  # and waits for 92 more
         stop(smcd)
         s = server.reply()
         assert s["mode"] == "tcp" and "connection reset" in s["fallback"], s
