@@ -51,6 +51,12 @@ from _table import (  # noqa: E402
     empty_results,
     render,
 )
+from asyncio_rows import (  # noqa: E402
+    ASYNCIO_FULL,
+    ASYNCIO_QUICK,
+    print_asyncio_rows,
+    run_asyncio_rows,
+)
 from userview import PLANS, USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
 
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--sections",
-        choices=("all", "classic", "user"),
+        choices=("all", "classic", "user", "asyncio"),
         default="all",
         help="the classic table (explicit 1 MiB DMBs, a UEID), the user view, or both",
     )
@@ -286,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     user = None
     if args.sections in ("all", "user"):
         user = run_user_view(user_plan, bench.res[CEILING]["tput_64k"], progress, user_config)
+    aio = None
+    if args.sections in ("all", "asyncio"):
+        aio = run_asyncio_rows(ASYNCIO_QUICK if args.quick else ASYNCIO_FULL, progress)
     took = time.monotonic() - started
 
     print(f"smcd benchmark{' (--quick)' if args.quick else ''}: two Python processes per figure")
@@ -294,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         print_classic(bench, plan)
     if user is not None:
         print_user_view(user)
+    if aio is not None:
+        print_asyncio_rows(aio)
     print(f"run time {took:.0f} s")
     if args.json:
         write_json(Path(args.json), bench, plan, user)
     done = (not classic or bench.complete) and (user is None or user_complete(user))
+    done = done and (aio is None or aio.complete)
     return 0 if done else 1
 
 
