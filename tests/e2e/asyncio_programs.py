@@ -176,3 +176,44 @@ async def main():
 
 asyncio.run(main())
 '''
+
+SOCK_METHODS = r'''
+"""asyncio's low-level socket methods on a program's own sockets: sock_accept/sock_connect,
+sock_sendall (8 MiB, more than a ring), sock_recv/sock_recv_into until EOF, hashed."""
+import asyncio, hashlib, random, socket, sys
+
+async def server():
+    loop = asyncio.get_running_loop()
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
+    print("port", lsock.getsockname()[1], flush=True)
+    conn, _ = await loop.sock_accept(lsock)
+    conn.setblocking(False)
+    h, n, buf = hashlib.sha256(), 0, bytearray(100_000)
+    while k := await loop.sock_recv_into(conn, buf):
+        h.update(buf[:k])
+        n += k
+    await loop.sock_sendall(conn, f"{n} {h.hexdigest()}\n".encode())
+    conn.close()
+
+async def client(port, n):
+    loop = asyncio.get_running_loop()
+    s = socket.socket()
+    s.setblocking(False)
+    await loop.sock_connect(s, ("127.0.0.1", port))
+    data = random.Random(3).randbytes(n)
+    await loop.sock_sendall(s, data)
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while chunk := await loop.sock_recv(s, 1000):
+        reply += chunk
+    print("sent", n, hashlib.sha256(data).hexdigest(), flush=True)
+    print("reply", reply.decode().strip(), flush=True)
+
+if sys.argv[1] == "server":
+    asyncio.run(server())
+else:
+    asyncio.run(client(int(sys.argv[2]), int(sys.argv[3])))
+'''

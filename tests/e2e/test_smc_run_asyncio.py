@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.asyncio_programs import AIOHTTP_CLIENT, ASGI_APP, STREAMS
+from tests.e2e.asyncio_programs import AIOHTTP_CLIENT, ASGI_APP, SOCK_METHODS, STREAMS
 from tests.e2e.conftest import PYTHON, REPO_ENV, SMC_RUN, Smcd
 
 pytestmark = pytest.mark.timeout(120)
@@ -196,5 +196,21 @@ def test_uvicorn_and_aiohttp_keep_alive_on_smcd(
     assert client.wait(20) == 0
     server_err, client_err = programs.stop()
     assert re.search(rf"listen .*{port}.*: registered as listener", server_err), server_err
+    assert re.search(r"accept .*: smcd conn \d+", server_err), server_err
+    assert re.search(rf"connect .*{port}.*: smcd conn \d+", client_err), client_err
+
+
+def test_loop_sock_methods_on_smcd(programs: Programs) -> None:
+    """A program's own non-blocking sockets through loop.sock_accept/sock_connect/sock_sendall/
+    sock_recv(_into): upgraded both sides, 8 MiB intact both ways through the ring."""
+    n = 8 << 20
+    server = programs.start([os.fspath(PYTHON), "-c", SOCK_METHODS, "server"])
+    port = int(_line(server, r"port (\d+)").group(1))
+    client = programs.start([os.fspath(PYTHON), "-c", SOCK_METHODS, "client", str(port), str(n)])
+    sent = _line(client, r"sent (\d+) (\w+)")
+    reply = _line(client, r"reply (\d+) (\w+)")
+    assert reply.groups() == sent.groups(), (sent.group(0), reply.group(0))
+    assert client.wait(20) == 0
+    server_err, client_err = programs.stop()
     assert re.search(r"accept .*: smcd conn \d+", server_err), server_err
     assert re.search(rf"connect .*{port}.*: smcd conn \d+", client_err), client_err
