@@ -277,6 +277,10 @@ class Negotiation:
     def _handle(self, msg: ClcMessage) -> Step:
         raise NotImplementedError
 
+    def _begin(self) -> None:
+        if self._state is not State.INIT:
+            raise NegotiationError("already started")
+
     def _wait(self, expect: ClcType) -> None:
         self._state = State.WAIT
         self._expect = expect

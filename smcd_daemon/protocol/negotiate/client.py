@@ -17,7 +17,6 @@ from smcd_daemon.protocol.negotiate.facts import (
     SmcrResources,
 )
 from smcd_daemon.protocol.negotiate.outcome import (
-    NegotiationError,
     Refusal,
     Step,
     violation,
@@ -101,8 +100,7 @@ class Client(Negotiation):
     def start(self) -> Step:
         """The first message to send (a Proposal, or a Decline when we have no device), or an
         immediate fallback without a byte sent when the peer is not known to speak SMC."""
-        if self._state is not State.INIT:
-            raise NegotiationError("already started")
+        self._begin()
         o = self.offer
         # __smc_connect: the first Decline's version depends on ISMv2 capability
         self._decline_as(v2=o.ism_v2_capable)
