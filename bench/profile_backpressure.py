@@ -168,7 +168,7 @@ def pair(
     return mine, theirs
 
 
-def bulk(kind: str, size: int, total: int, stride: int) -> dict[str, Any]:
+def bulk(kind: str, size: int, total: int, stride: int, recv: int = MIB) -> dict[str, Any]:
     warm = 16 * MIB
     chunk = memoryview(pattern(64 << 10))
 
@@ -192,7 +192,7 @@ def bulk(kind: str, size: int, total: int, stride: int) -> dict[str, Any]:
         return {"rate": rate, **d}
 
     def reader(end: Any) -> dict[str, Any]:
-        r = Reader(MIB, stride)
+        r = Reader(recv, stride)
         r.take(end.recv_into, warm)
         end.sendall(memoryview(b"w"))
         end.reads = 0
@@ -292,6 +292,7 @@ def main() -> int:
     ap.add_argument("--cases", default="bulk,check,rr64k")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--no-tcp", action="store_true", help="skip the TCP baseline")
+    ap.add_argument("--recv", default="1M", help="the reader's recv_into buffer")
     args = ap.parse_args()
     total = args.mib * MIB
     out: list[dict[str, Any]] = []
@@ -303,7 +304,7 @@ def main() -> int:
         label = kind if kind == "tcp" else f"smcd {size >> 10}K"
         for case in cases:
             if case in ("bulk", "check"):
-                r = bulk(kind, size, total, 65 if case == "check" else 0)
+                r = bulk(kind, size, total, 65 if case == "check" else 0, parse_size(args.recv))
                 mib = total / MIB
                 print(f"{label:10} {case:6} {r['rate'] / 1e9:6.2f} GB/s", flush=True)
                 print(f"    writer per MiB: {per(r['writer'], mib)}")
