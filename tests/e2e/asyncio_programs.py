@@ -217,3 +217,36 @@ if sys.argv[1] == "server":
 else:
     asyncio.run(client(int(sys.argv[2]), int(sys.argv[3])))
 '''
+
+TLS_PAIR = r'''
+"""An asyncio TLS echo (ssl= on both sides) and, beside it, a plain one: under smc-run the TLS
+pair stays on TCP, the plain one is upgraded; both carry their bytes."""
+import asyncio, ssl, sys
+
+cert, key = sys.argv[1], sys.argv[2]
+
+async def echo(reader, writer):
+    writer.write(await reader.readline())
+    await writer.drain()
+    writer.close()
+
+async def main():
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=cert)
+    tls = await asyncio.start_server(echo, "127.0.0.1", 0, ssl=server_ctx)
+    plain = await asyncio.start_server(echo, "127.0.0.1", 0)
+    tls_port = tls.sockets[0].getsockname()[1]
+    plain_port = plain.sockets[0].getsockname()[1]
+    print("ports", tls_port, plain_port, flush=True)
+    for port, ctx in ((tls_port, client_ctx), (plain_port, None)):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=ctx, server_hostname="localhost" if ctx else None)
+        writer.write(b"over %d\n" % port)
+        print("echo", (await reader.readline()).decode().strip(), flush=True)
+        writer.close()
+    tls.close()
+    plain.close()
+
+asyncio.run(main())
+'''

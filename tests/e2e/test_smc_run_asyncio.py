@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.asyncio_programs import AIOHTTP_CLIENT, ASGI_APP, SOCK_METHODS, STREAMS
+from tests.e2e.asyncio_programs import AIOHTTP_CLIENT, ASGI_APP, SOCK_METHODS, STREAMS, TLS_PAIR
 from tests.e2e.conftest import PYTHON, REPO_ENV, SMC_RUN, Smcd
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,3 +214,24 @@ def test_loop_sock_methods_on_smcd(programs: Programs) -> None:
     server_err, client_err = programs.stop()
     assert re.search(r"accept .*: smcd conn \d+", server_err), server_err
     assert re.search(rf"connect .*{port}.*: smcd conn \d+", client_err), client_err
+
+
+def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
+    """asyncio's ssl= (server and client) is never handed off: its listener is not registered
+    and its connections stay on TCP, while a plain server in the same program is upgraded."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", os.fspath(key), "-out", os.fspath(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    proc = programs.start([os.fspath(PYTHON), "-c", TLS_PAIR, os.fspath(cert), os.fspath(key)])
+    tls_port, plain_port = map(int, _line(proc, r"ports (\d+) (\d+)").groups())
+    assert _line(proc, r"echo (.*)").group(1) == f"over {tls_port}"
+    assert _line(proc, r"echo (.*)").group(1) == f"over {plain_port}"
+    assert proc.wait(20) == 0
+    (err,) = programs.stop()
+    assert not re.search(rf"{tls_port}.*: (registered|smcd)", err), err
+    assert re.search(rf"listen .*{plain_port}.*: registered as listener", err), err
+    assert re.search(rf"connect .*{plain_port}.*: smcd conn \d+", err), err
