@@ -139,7 +139,8 @@ install: wheels
 		systemctl daemon-reload; \
 		systemctl reload dbus.service 2>/dev/null || true; \
 	fi; \
-	echo "installed smcd in $(DESTDIR)$(SMCD_LIBDIR); start it: systemctl enable --now smcd.socket"
+	echo "installed smcd in $(DESTDIR)$(SMCD_LIBDIR); enable it: systemctl enable smcd.service" \
+		"&& systemctl start smcd.socket"
 
 uninstall:
 	@set -e; \

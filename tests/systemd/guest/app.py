@@ -62,14 +62,18 @@ def _listen(plain: bool) -> int:
 
 
 def _echo_round(sock: socket.socket, size: int) -> None:
+    """Send ``size`` bytes and read them back, both at once: an SMC ring is far smaller than
+    loopback TCP's buffers, so sending everything before reading would deadlock on the echo."""
     payload = bytes(i % 251 for i in range(size))
-    sock.sendall(payload)
+    sender = threading.Thread(target=sock.sendall, args=(payload,), daemon=True)
+    sender.start()
     got = bytearray()
     while len(got) < size:
         chunk = sock.recv(size - len(got))
         if not chunk:
             raise ConnectionError(f"EOF after {len(got)} of {size} bytes")
         got += chunk
+    sender.join(timeout=60)
     if bytes(got) != payload:
         raise AssertionError("echoed bytes differ")
 
