@@ -106,6 +106,17 @@ def below_bound(
     return limit
 
 
+def cpu_above(bound: str, limit_us: float) -> Callable[[UserResults], str | None]:
+    """ "smcd CPU > N us" when the daemon alone spends more per connection than the target
+    allows (one connection at a time, its handshake is on the critical path)."""
+
+    def limit(res: UserResults) -> str | None:
+        b = _get(res, "bound", bound)
+        return None if b is None or b <= limit_us else f"smcd CPU > {limit_us:.0f} us"
+
+    return limit
+
+
 def _all(*oks: Callable[[UserResults], bool]) -> Callable[[UserResults], bool]:
     return lambda res: all(ok(res) for ok in oks)
 
@@ -162,14 +173,15 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             "connections/s, one at a time",
             "conns_1",
             "1/s",
-            check=Check(">= 1500/s", at_least("conns_1", 1500)),
+            check=Check(">= 1500/s", at_least("conns_1", 1500), cpu_above("smcd_cpu", 1e6 / 1500)),
         ),
         URow(
             "connect p50, one at a time",
             "connect_p50",
             "us",
-            check=Check("<= 500 us", at_most("connect_p50", 500)),
+            check=Check("<= 500 us", at_most("connect_p50", 500), cpu_above("smcd_cpu", 500)),
         ),
+        URow("  bound: smcd CPU per connection", "smcd_cpu", "us", bound=True),
         URow(f"connections/s, {concurrency} at a time", "conns_n", "1/s"),
         URow(
             f"memory, {idle:,} idle connections",

@@ -202,6 +202,15 @@ def mode_text(modes: Counter[str]) -> str:
 _CODE = re.compile(r"SMC_CLC_DECL_\w+|SMC_\w+")
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in ns (``schedstat``: exact, not ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
 def memory_of(pid: int) -> tuple[int, int]:
     """(PSS, RSS) in bytes: PSS splits shared pages (the DMBs smcd and both ends map) among
     their mappers, so a sum over processes counts each page once."""
@@ -226,6 +235,8 @@ class UserView:
     notes: list[str] = field(default_factory=list)
     memory_detail: dict[str, tuple[int, int]] = field(default_factory=dict)
     reasons: set[str] = field(default_factory=set)
+    smcd_cpu: list[float] = field(default_factory=list)
+    """smcd's CPU time per connection (µs) of each one-at-a-time connections run."""
 
     def env(self, kind: str) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
@@ -301,7 +312,12 @@ class UserView:
 
         def once(kind: str) -> tuple[float, float]:
             port = self.app(kind, "echo", procs).port()
+            watch = kind == "smc" and procs == 1 and self.smcd_pid is not None
+            before = cpu_ns(self.smcd_pid) if watch and self.smcd_pid else 0
             r = self.app(kind, "conns", port, p.conns, p.conns_warmup, procs).result()
+            if watch and self.smcd_pid:
+                spent = cpu_ns(self.smcd_pid) - before
+                self.smcd_cpu.append(spent / (p.conns + p.conns_warmup) / 1e3)
             return r["rate"], r["connect_p50_us"]
 
         return once
@@ -359,6 +375,8 @@ class UserView:
             self.notes.append(f"user view round-trip bound: {e}")
         progress("user view: connections, one at a time")
         self.measure(("conns_1", "connect_p50"), self.conns(1))
+        if self.smcd_cpu:
+            self.res["bound"]["smcd_cpu"] = statistics.median(self.smcd_cpu)
         progress(f"user view: connections, {p.concurrency} at a time")
         self.measure(("conns_n", "_connect_p50_n"), self.conns(p.concurrency))
         progress(f"user view: memory, {p.idle:,} idle connections")

@@ -150,6 +150,7 @@ USER_ROWS = [
     ("round trip 64 KiB, p99", "us", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("connect p50, one at a time", "us", "<= 500 us", "cmp"),
+    ("bound: smcd CPU per connection", "us", None, "bound"),
     ("connections/s, 4 at a time", "1/s", None, "cmp"),
     ("memory, 20 idle connections", "MiB", "<= 300 MiB, smcd + apps", "cmp"),
 ]
@@ -183,6 +184,9 @@ def _expected_met(key: str, smc: dict, tcp: dict, bound: dict, mode: str) -> str
         why.append("2x tcp > ceiling")
     if key == "bulk_work" and 1.4 * t > bound["work"]:
         why.append("1.4x tcp > bound")
+    cpu_limit = {"conns_1": 1e6 / 1500, "connect_p50": 500}.get(key)
+    if cpu_limit is not None and bound["smcd_cpu"] > cpu_limit:
+        why.append(f"smcd CPU > {cpu_limit:.0f} us")
     factor = {"rr_1b_p50": 0.3, "rr_1k_p50": 0.3, "rr_64k_p50": 0.5}.get(key)
     if factor is not None and factor * t < bound[key]:
         why.append(f"{factor:g}x tcp < bound")
