@@ -15,7 +15,7 @@ the reading order that cannot give a false alarm: "consumer ahead" compares a co
 *before* the producer (the producer can only have moved further), "overrun" a producer read
 *before* the consumer (the consumer can only have caught up). The observer reads the receive
 header, the send header, then the receive header again, which gives both orders for both
-directions (:func:`check_direction`).
+directions (:func:`check_reads`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["CursorFault", "Fault", "check_direction", "ring_distance"]
+__all__ = ["CursorFault", "Fault", "check_direction", "check_reads", "ring_distance"]
 
 Pos = tuple[int, int]
 """(wrap, count) of a cursor as read from a header word."""
@@ -60,16 +60,27 @@ def ring_distance(prod: Pos, cons: Pos, ring: int) -> int:
     return dw * ring + prod[1] - cons[1]
 
 
+def check_reads(
+    direction: str, cons_then_prod: tuple[Pos, Pos], prod_then_cons: tuple[Pos, Pos], ring: int
+) -> Fault | None:
+    """Check one direction from two readings of its cursors: a consumer read before a producer
+    (``cons_then_prod``) and a producer read before a consumer (``prod_then_cons``); see the
+    module docstring. None when the cursors are possible."""
+    cons, prod = cons_then_prod
+    prod_first, cons_later = prod_then_cons
+    for pos in (cons, prod, prod_first, cons_later):
+        if not 0 <= pos[1] < ring:
+            return Fault(CursorFault.OUT_OF_RING, direction, prod, cons, ring)
+    if ring_distance(prod, cons, ring) < 0:
+        return Fault(CursorFault.CONSUMER_AHEAD, direction, prod, cons, ring)
+    if ring_distance(prod_first, cons_later, ring) > ring:
+        return Fault(CursorFault.OVERRUN, direction, prod_first, cons_later, ring)
+    return None
+
+
 def check_direction(
     direction: str, prod_before: Pos, cons: Pos, prod_after: Pos, ring: int
 ) -> Fault | None:
-    """Check one direction: ``prod_before`` was read before ``cons``, ``prod_after`` after it
-    (see the module docstring). None when the cursors are possible."""
-    for pos in (prod_before, cons, prod_after):
-        if not 0 <= pos[1] < ring:
-            return Fault(CursorFault.OUT_OF_RING, direction, prod_after, cons, ring)
-    if ring_distance(prod_after, cons, ring) < 0:
-        return Fault(CursorFault.CONSUMER_AHEAD, direction, prod_after, cons, ring)
-    if ring_distance(prod_before, cons, ring) > ring:
-        return Fault(CursorFault.OVERRUN, direction, prod_before, cons, ring)
-    return None
+    """:func:`check_reads` for one consumer reading between two producer readings
+    (``prod_before`` read before ``cons``, ``prod_after`` after it)."""
+    return check_reads(direction, (cons, prod_after), (prod_before, cons), ring)

@@ -42,3 +42,13 @@ def test_producer_more_than_a_ring_ahead_is_a_fault() -> None:
 def test_a_count_outside_the_ring_is_a_fault() -> None:
     fault = check_direction("receive", (0, RING), (0, 0), (0, RING), RING)
     assert fault is not None and fault.fault is CursorFault.OUT_OF_RING
+
+
+def test_check_reads_uses_each_reading_in_its_safe_order() -> None:
+    from smcd_daemon.core.ring_check import check_reads
+
+    # send direction: the consumer read first (0:10), the producer later (0:50): fine; the
+    # producer read first (0:50) and the consumer later (0:60, it caught up meanwhile): fine
+    assert check_reads("send", ((0, 10), (0, 50)), ((0, 50), (0, 60)), RING) is None
+    ahead = check_reads("send", ((0, 60), (0, 50)), ((0, 50), (0, 60)), RING)
+    assert ahead is not None and ahead.fault is CursorFault.CONSUMER_AHEAD
