@@ -1,0 +1,66 @@
+"""Same-host pairs in the daemon's event loop: a client half proposes only once the server half
+is in the daemon (marking the pair proposed, so the server waits for that Proposal), falls back
+without proposing when the server half fell back first or never comes, and forgets what it
+waited for; a late client half reads how the server half ended."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+from smcd_daemon.adapters.handoff.arrivals import Arrivals
+from smcd_daemon.core.handoff_pairs import PairKey
+
+A = ipaddress.ip_address("127.0.0.1")
+KEY: PairKey = ((A, 40000, 0), (A, 8080, 0))
+
+
+def test_client_waits_for_the_server_half_then_marks_the_pair_proposed() -> None:
+    async def run() -> None:
+        arr = Arrivals()
+        waiting = asyncio.create_task(arr.wait_server(KEY, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not arr.proposed(KEY)
+        arr.server_in(KEY)
+        assert await waiting is None
+        assert arr.proposed(KEY)  # the server's peek must now wait for the Proposal
+        arr.server_gone(KEY, fell_back=False)
+        assert not arr.proposed(KEY)
+
+    asyncio.run(run())
+
+
+def test_server_here_first_and_a_server_that_fell_back() -> None:
+    async def run() -> None:
+        arr = Arrivals()
+        arr.server_in(KEY)
+        assert await arr.wait_server(KEY, 0.1) is None
+        other: PairKey = ((A, 40001, 0), (A, 8080, 0))
+        arr.server_in(other)
+        arr.server_gone(other, fell_back=True, why="no CLC Proposal within 1 s")
+        why = await arr.wait_server(other, 5.0)
+        assert why is not None and "fell back" in why and "no CLC Proposal" in why
+        # a waiting client learns it at once
+        third: PairKey = ((A, 40002, 0), (A, 8080, 0))
+        waiting = asyncio.create_task(arr.wait_server(third, 5.0))
+        await asyncio.sleep(0.05)
+        arr.server_gone(third, fell_back=True, why="DAEMON_BUSY")
+        why = await asyncio.wait_for(waiting, 1.0)
+        assert why is not None and "DAEMON_BUSY" in why
+
+    asyncio.run(run())
+
+
+def test_a_server_half_that_never_comes_is_not_waited_for_forever_nor_remembered() -> None:
+    async def run() -> None:
+        arr = Arrivals()
+        why = await arr.wait_server(KEY, 0.2)
+        assert why is not None and "within 0.2 s (timeouts.clc_wait)" in why
+        assert len(arr) == 0
+        task = asyncio.create_task(arr.wait_server(KEY, 5.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert len(arr) == 0
+
+    asyncio.run(run())
