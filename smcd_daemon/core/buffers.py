@@ -504,6 +504,39 @@ class DmbPool:
         self._zeroings += 1
         self._free[dmb.size_comp].append(dmb)
 
+    # ---- buffers held elsewhere --------------------------------------------------------------
+
+    def charge(self, uid: int, size: int) -> None:
+        """Count a DMB of ``uid`` that the pool does not hold against ``uid``'s quota: a channel
+        a previous daemon made, resumed after a restart, whose memory the applications map.
+        Raises :class:`DmbLimitError` past a per-user limit (the pool's own limits do not
+        apply: the memory is not the pool's)."""
+        if self.user_max_buffers and self._user_buffers.get(uid, 0) >= self.user_max_buffers:
+            raise DmbLimitError(
+                f"uid {uid} already owns {self.user_max_buffers} DMBs (quota.connections)",
+                limit="user-connections",
+                uid=uid,
+            )
+        if self.user_max_bytes and self._user_bytes.get(uid, 0) + size > self.user_max_bytes:
+            raise DmbLimitError(
+                f"uid {uid} would own more than {self.user_max_bytes} bytes of DMBs "
+                "(quota.buffer_bytes)",
+                limit="user-bytes",
+                uid=uid,
+            )
+        self._user_bytes[uid] = self._user_bytes.get(uid, 0) + size
+        self._user_buffers[uid] = self._user_buffers.get(uid, 0) + 1
+
+    def discharge(self, uid: int, size: int) -> None:
+        """A buffer charged to ``uid`` (:meth:`charge`) is gone."""
+        left = self._user_buffers.get(uid, 0) - 1
+        if left > 0:
+            self._user_buffers[uid] = left
+            self._user_bytes[uid] = max(0, self._user_bytes.get(uid, 0) - size)
+        else:
+            self._user_buffers.pop(uid, None)
+            self._user_bytes.pop(uid, None)
+
     # ---- accounting ---------------------------------------------------------------------------
 
     @property
