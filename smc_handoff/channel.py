@@ -49,6 +49,7 @@ importable from here.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from smc_handoff import layout
@@ -95,6 +96,9 @@ __all__ = [
 ]
 
 DMB_SIZES = layout.DMB_SIZES
+ONE_WRAP = 1 << WRAP_SHIFT
+"""A producer word's wrap field one lap ahead of ours, minus ours (masked to the field)."""
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 class Channel(ChannelBase):
@@ -281,29 +285,40 @@ class Channel(ChannelBase):
                     n = len(buffer)
                     if avail < n:
                         n = avail
-                    if 0 < n <= PIECE:  # more: the long way publishes piece by piece
-                        pos = self._rx_pos
-                        try:
-                            buffer[:n] = self._rx_ring[pos : pos + n]
-                        except (TypeError, ValueError, NotImplementedError):  # not flat bytes
-                            return 0
-                        pos += n
-                        word = self._rx_wbits | pos << COUNT_SHIFT
-                        self._rx_empty_word = word
-                        fb = self._flag_bits
-                        txh = self._tx_hdr
-                        txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
-                        if self._flag_bits != fb:  # a writer thread published flags meanwhile
-                            txh[W_CONS] = word | self._flag_bits
-                        self._rx_pos = pos
-                        wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
-                        if (
-                            wait & WANT_SPACE
-                            and wait >> 8 != self._kicked_s
-                            and avail - n <= self._rx_wake_fill
-                        ):
-                            self._kick_space(wait)
-                        return n
+                # The writer is a lap ahead (a full ring: the usual state behind a slow reader,
+                # and a writer that filled the ring to its end is in the next wrap). Our data
+                # runs to the ring's end: a read that stops short of it needs no wrap either.
+                elif (prod & WRAP_FIELD) - self._rx_wbits & WRAP_FIELD == ONE_WRAP:
+                    n = len(buffer)
+                    left = self._rx_len - self._rx_pos
+                    if n >= left:
+                        return 0  # reaching the end: the long way wraps
+                    avail = left + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
+                else:
+                    return 0
+                if 0 < n <= PIECE:  # more: the long way publishes piece by piece
+                    pos = self._rx_pos
+                    try:
+                        buffer[:n] = self._rx_ring[pos : pos + n]
+                    except (TypeError, ValueError, NotImplementedError):  # not flat bytes
+                        return 0
+                    pos += n
+                    word = self._rx_wbits | pos << COUNT_SHIFT
+                    self._rx_empty_word = word
+                    fb = self._flag_bits
+                    txh = self._tx_hdr
+                    txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
+                    if self._flag_bits != fb:  # a writer thread published flags meanwhile
+                        txh[W_CONS] = word | self._flag_bits
+                    self._rx_pos = pos
+                    wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
+                    if (
+                        wait & WANT_SPACE
+                        and wait >> 8 != self._kicked_s
+                        and avail - n <= self._rx_wake_fill
+                    ):
+                        self._kick_space(wait)
+                    return n
         return 0
 
     def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
@@ -478,6 +493,64 @@ class Channel(ChannelBase):
         if self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT & (PEER_CONN_CLOSED | PEER_CONN_ABORT):
             return True
         return self._check_link()
+
+    # ------------------------------------------------------------------------ event loops
+
+    def kick_fd(self) -> int:
+        """What an event loop watches instead of waiting: the peer link, readable when the peer
+        kicks a request made with :meth:`arm_readable` or :meth:`arm_space` (a Unix-socket
+        send, which wakes the loop as a sync wakeup, where an eventfd write would leave it
+        queued behind whatever runs on its CPU), and when the peer hangs up. When it is
+        readable: :meth:`drain_kicks` first, then read/write, then arm again what is still
+        wanted. For one non-blocking user (an event loop's transport), which must not also
+        wait in :meth:`wait_readable`/:meth:`wait_writable`."""
+        self._check_open()
+        return self._link_fd
+
+    def drain_kicks(self) -> None:
+        """Take one kick off :meth:`kick_fd` before looking (a kick after this keeps it
+        readable; so does a second one queued, which costs one spurious wakeup, not a syscall
+        on every wakeup); a hang-up seen here is recorded, so the next arm says "look now"."""
+        if self._closed or self._link_dead:
+            return
+        try:
+            if not self._link.recv(64, _DONTWAIT):
+                self._check_link()  # b"": the peer's end is closed
+        except BlockingIOError:  # nothing queued
+            pass
+        except OSError:  # an error on the link: is the peer gone?
+            self._check_link()
+
+    def arm_readable(self) -> bool:
+        """Ask the peer to kick :meth:`kick_fd` when data, EOF or an abort arrives. False when
+        that is there already or the peer is gone: nothing is armed, read now."""
+        self._check_open()
+        if self._rx_ready() or self._link_dead:
+            return False
+        self._arm(self._wd, True, fresh=True)
+        if self._rx_ready():  # published before the peer could see the request
+            self._disarm(self._wd)
+            return False
+        return True
+
+    def arm_space(self) -> bool:
+        """Ask the peer to kick :meth:`kick_fd` when its reader frees room in its ring (it kicks
+        once half of it is free, as for a blocking :meth:`wait_writable`). False when there is
+        room already, or an error to raise, or the peer is gone: nothing is armed, write now."""
+        self._check_open()
+        if self._tx_ready() or self._link_dead:
+            return False
+        self._arm(self._ws, True, fresh=True)
+        if self._tx_ready():
+            self._disarm(self._ws)
+            return False
+        return True
+
+    def disarm(self) -> None:
+        """Withdraw both requests (a loop that stops watching)."""
+        if not self._closed:
+            self._disarm(self._wd)
+            self._disarm(self._ws)
 
     # ---------------------------------------------------------------------- observability
 

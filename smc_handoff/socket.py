@@ -55,7 +55,7 @@ from smc_handoff.messages import Fallback
 if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
     from smc_handoff.channel import Channel as _Channel
 
-__all__ = ["SmcServer", "SmcSocket", "connect", "listen", "wrap"]
+__all__ = ["SmcServer", "SmcSocket", "accepted", "connect", "listen", "wrap"]
 
 log = logging.getLogger("smc_handoff")
 
@@ -75,7 +75,6 @@ _proto_of = _csocket.socket.proto.__get__
 _MODE_NAMES = {mode: mode.name.lower() for mode in messages.Mode}
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 _Smc = ChannelState
-_Registration = Registration  # what smc_handoff.run and .aio import from here
 
 
 def _ebadf() -> OSError:
@@ -164,6 +163,11 @@ class SmcSocket(_BaseSocket):
         """Why this socket stayed on TCP (code, name, explanation, peer_diagnosis); None on SMC
         or before any handoff was tried."""
         return self._fallback
+
+    @property
+    def channel(self) -> _Channel | None:
+        """The shared-memory channel in SMC mode (for an event loop's transport), else None."""
+        return self._smc.channel if self._smc is not None else None
 
     @property
     def conn_id(self) -> int | None:
@@ -569,7 +573,7 @@ def connect(
     return wrap(sock, server_side=False, dmb_size=dmb_size)
 
 
-def _accepted(conn: _socket.socket, reg: _Registration, dmb_size: int = 0) -> SmcSocket:
+def accepted(conn: _socket.socket, reg: Registration, dmb_size: int = 0) -> SmcSocket:
     """An accepted connection as an SmcSocket: handed off while the listener is registered
     (only then can a same-host client have proposed SMC), else plain TCP with the reason.
     A fresh TCP-mode SmcSocket (from :meth:`SmcServer.accept`) is handed off in place. A
@@ -616,11 +620,16 @@ class SmcServer:
     def __init__(self, sock: _socket.socket, *, dmb_size: int = 0) -> None:
         self.socket = sock
         self.dmb_size = dmb_size
-        self._reg = _Registration(sock)
+        self._reg = Registration(sock)
 
     @property
     def registered(self) -> bool:
         return self._reg.active
+
+    @property
+    def registration(self) -> Registration:
+        """The LISTEN registration (what :func:`accepted` needs, e.g. on an event loop)."""
+        return self._reg
 
     @property
     def listener_id(self) -> int | None:
@@ -635,13 +644,13 @@ class SmcServer:
         listener = self.socket
         if type(listener).accept is not _BaseSocket.accept:
             conn, addr = listener.accept()  # a socket class of its own: let it accept
-            return _accepted(conn, self._reg, self.dmb_size), addr
+            return accepted(conn, self._reg, self.dmb_size), addr
         # socket.accept(), making the SmcSocket at once (not a socket to detach and re-make).
         fd, addr = listener._accept()  # type: ignore[attr-defined]
         smc = SmcSocket(_family_of(listener), _type_of(listener), _proto_of(listener), fileno=fd)
         if _socket.getdefaulttimeout() is None and listener.gettimeout():
             smc.setblocking(True)
-        return _accepted(smc, self._reg, self.dmb_size), addr
+        return accepted(smc, self._reg, self.dmb_size), addr
 
     def fileno(self) -> int:
         return self.socket.fileno()
