@@ -25,7 +25,7 @@ from typing import Any
 
 from smc_handoff.aio_transport import SmcTransport, run_handoff
 from smc_handoff.messages import Fallback
-from smc_handoff.socket import SmcServer, SmcSocket, _accepted, connect, listen
+from smc_handoff.socket import SmcServer, SmcSocket, accepted, connect, listen
 
 __all__ = ["SmcStreamServer", "open_connection", "smc_socket", "start_server"]
 
@@ -130,7 +130,7 @@ class SmcStreamServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, conn: _socket.socket) -> None:
-        sock = await run_handoff(_accepted, conn, self.server._reg, self.server.dmb_size)
+        sock = await run_handoff(accepted, conn, self.server.registration, self.server.dmb_size)
         try:
             reader, writer = await _streams(sock, self._limit)
         except BaseException:

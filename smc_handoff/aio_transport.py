@@ -3,17 +3,19 @@
 :class:`SmcTransport` drives an :class:`~smc_handoff.socket.SmcSocket` in SMC mode on one event
 loop, as ``asyncio``'s own socket transport drives a TCP socket, with the same contract:
 
-* reading: ``loop.add_reader`` on ``fileno()`` (the channel's receive eventfd, level-triggered:
-  readable while data, EOF or an abort is pending); ``data_received`` with one copy out of the
-  peer's ring, or for a :class:`asyncio.BufferedProtocol` ``get_buffer``/``buffer_updated`` with
-  one copy straight into the protocol's buffer; ``pause_reading``/``resume_reading``;
-  ``eof_received`` after the peer's ``shutdown(SHUT_WR)``/close;
-* writing: straight into the peer's ring; what does not fit is buffered and written when the
-  peer frees room, which it *signals*: the writer asks the channel for a space kick
-  (:meth:`~smc_handoff.channel.Channel.arm_space`) and the loop waits for it on
-  :meth:`~smc_handoff.channel.Channel.space_fd` — no timer, no polling; ``pause_writing`` /
-  ``resume_writing`` at the high/low water marks (64 KiB / 16 KiB by default, as asyncio);
-  ``write_eof``;
+* waking: one ``loop.add_reader`` on the channel's :meth:`~smc_handoff.channel.Channel.kick_fd`
+  (the peer link). When the transport wants data (and has none) it asks the peer for a kick
+  (:meth:`~smc_handoff.channel.Channel.arm_readable`), and when the peer's ring is full, for a
+  kick once its reader freed room (:meth:`~smc_handoff.channel.Channel.arm_space`): the peer
+  kicks the link only when asked, so a busy stream makes no wakeup syscalls, and a wait is
+  never a timer or a poll. The peer's hang-up makes the link readable too;
+* reading: ``data_received`` with one copy out of the peer's ring, or for a
+  :class:`asyncio.BufferedProtocol` ``get_buffer``/``buffer_updated`` with one copy straight
+  into the protocol's buffer; ``pause_reading``/``resume_reading``; ``eof_received`` after the
+  peer's ``shutdown(SHUT_WR)``/close;
+* writing: straight into the peer's ring; what does not fit is buffered until the space kick;
+  ``pause_writing``/``resume_writing`` at the high/low water marks (64 KiB / 16 KiB by default,
+  as asyncio); ``write_eof``;
 * closing: ``close`` flushes then closes (the peer reads EOF), ``abort`` closes at once; both
   reset the connection when received data is unread, as a TCP close does. The peer's abort
   (or death) ends in ``connection_lost(ConnectionResetError)``;
@@ -123,9 +125,15 @@ class SmcTransport(asyncio.Transport):
         self._loop = loop
         self._sock = sock
         sock.setblocking(False)
-        self._fd = sock.fileno()  # the channel's eventfd; the channel is now in level mode
-        self._channel: Any = getattr(sock, "channel", None)
-        self._retry: asyncio.TimerHandle | None = None
+        channel = sock.channel
+        if channel is None:
+            raise ValueError("SmcTransport needs a socket in SMC mode")
+        self._channel = channel
+        self._fd = channel.kick_fd()
+        self._watching = False  # add_reader(kick_fd) is in place
+        self._want_data = False  # a data kick is armed
+        self._want_space = False  # a space kick is armed (the buffer waits for room)
+        self._read_handle: asyncio.Handle | None = None  # a read scheduled without a kick
         self._protocol: Any = None
         self._buffered = False
         self.set_protocol(protocol)
@@ -139,11 +147,11 @@ class SmcTransport(asyncio.Transport):
         self._eof_written = False
         self._paused = False  # reading, by pause_reading()
         self._at_eof = False
-        self._space_fd: int | None = None  # watched while waiting for the peer to free room
         self._high, self._low = _HIGH, _HIGH // 4
         self._protocol_paused = False
-        self.space_waits = 0  # times the ring was full and we waited for a space kick
-        self.space_wakeups = 0  # times a space kick (or the peer's hang-up) woke us
+        self.space_waits = 0  # times the ring was full and a space kick was asked for
+        self.space_wakeups = 0  # times the kick descriptor woke a transport waiting for room
+        self.wakeups = 0  # times the kick descriptor woke us at all
         if server is not None:
             _server_call(server, "_attach", self)
         loop.call_soon(self._start, waiter)
@@ -161,33 +169,82 @@ class SmcTransport(asyncio.Transport):
             self._force_close(e if isinstance(e, Exception) else None)
             return
         if not self._paused and not self._closing:
-            self._loop.add_reader(self._fd, self._read_ready)
+            self._want_read()
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    # -- waking ------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._watching = True
+            self._loop.add_reader(self._fd, self._kicked)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self._fd)
+
+    def _kicked(self) -> None:
+        """The kick descriptor is readable: a kick we asked for, or the peer hung up."""
+        self.wakeups += 1
+        self._channel.drain_kicks()  # first: a kick after this keeps the descriptor readable
+        if self._want_space:
+            self._want_space = False
+            self.space_wakeups += 1
+            self._write_ready()  # asks for the next space kick when it fills the ring again
+        if self._want_data:
+            self._want_data = False
+            self._read_ready()  # asks for the next data kick when it empties the ring
+        if not (self._want_data or self._want_space):
+            self._unwatch()  # nothing asked for: a hung-up link must not spin the loop
+
+    def _want_read(self) -> None:
+        """Read now if something is there, else ask for a data kick."""
+        if self._want_data or self._lost or self._paused or self._at_eof or self._closing:
+            return
+        try:
+            armed = self._channel.arm_readable()
+        except OSError as e:
+            self._fatal_error(e)
+            return
+        if armed:
+            self._want_data = True
+            self._watch()
+        elif self._read_handle is None:
+            self._read_handle = self._loop.call_soon(self._scheduled_read)
+
+    def _scheduled_read(self) -> None:
+        self._read_handle = None
+        self._read_ready()
 
     # -- reading -----------------------------------------------------------------------------
 
     def _read_ready(self) -> None:
-        if self._lost:
+        if self._lost or self._paused or self._at_eof or self._closing:
             return
         if self._buffered:
-            self._read_into_buffer()
-            return
-        try:
-            data = self._sock.recv(_MAX_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return  # a late, spurious readiness (see SmcSocket): the next kick re-arms
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as e:
-            self._fatal_error(e)
-            return
-        if data:
-            self._protocol.data_received(data)
+            if not self._read_into_buffer():
+                return
         else:
-            self._read_eof()
+            try:
+                data = self._sock.recv(_MAX_SIZE)
+            except (BlockingIOError, InterruptedError):
+                data = None  # nothing after all (a kick for data we had read already)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:
+                self._fatal_error(e)
+                return
+            if data:
+                self._protocol.data_received(data)
+            elif data is not None:
+                self._read_eof()
+                return
+        self._want_read()
 
-    def _read_into_buffer(self) -> None:
+    def _read_into_buffer(self) -> bool:
+        """One read into the protocol's buffer; False when reading is over (EOF, an error)."""
         try:
             buf = self._protocol.get_buffer(-1)
             if not len(buf):
@@ -196,29 +253,30 @@ class SmcTransport(asyncio.Transport):
             raise
         except BaseException as e:
             self._fatal_error(e, "get_buffer() call failed")
-            return
+            return False
         try:
             n = self._sock.recv_into(buf)
         except (BlockingIOError, InterruptedError):
-            return
+            return True
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
             self._fatal_error(e)
-            return
+            return False
         if not n:
             self._read_eof()
-            return
+            return False
         try:
             self._protocol.buffer_updated(n)
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
             self._fatal_error(e, "buffer_updated() call failed")
+            return False
+        return True
 
     def _read_eof(self) -> None:
         self._at_eof = True
-        self._loop.remove_reader(self._fd)  # EOF stays readable: stop listening
         try:
             keep_open = self._protocol.eof_received()
         except (SystemExit, KeyboardInterrupt):
@@ -232,15 +290,13 @@ class SmcTransport(asyncio.Transport):
     def pause_reading(self) -> None:
         if self._closing or self._paused:
             return
-        self._paused = True
-        self._loop.remove_reader(self._fd)
+        self._paused = True  # a data kick still armed wakes us once, for nothing
 
     def resume_reading(self) -> None:
         if self._closing or not self._paused:
             return
         self._paused = False
-        if not self._at_eof:
-            self._loop.add_reader(self._fd, self._read_ready)
+        self._want_read()
 
     def is_reading(self) -> bool:
         return not self._paused and not self._closing
@@ -252,6 +308,8 @@ class SmcTransport(asyncio.Transport):
             raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__}")
         if self._eof_pending or self._eof_written:
             raise RuntimeError("Cannot call write() after write_eof()")
+        if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
+            data = data.cast("B")  # lengths and slices count bytes below
         if not data or self._lost:
             return
         if not self._buffer:
@@ -271,7 +329,8 @@ class SmcTransport(asyncio.Transport):
             self._buffer_size += len(view)
             self._wait_space()
         else:
-            self._buffer.append(memoryview(bytes(data)))  # the caller may reuse its buffer
+            # bytes are immutable; a bytearray or memoryview the caller may reuse is copied
+            self._buffer.append(memoryview(data if isinstance(data, bytes) else bytes(data)))
             self._buffer_size += len(data)
         self._maybe_pause_protocol()
 
@@ -279,47 +338,33 @@ class SmcTransport(asyncio.Transport):
         self.write(b"".join(list_of_data))
 
     def _wait_space(self) -> None:
-        """The peer's ring is full: ask it for a space kick and watch for it (or write at once
-        when room appeared meanwhile)."""
-        if self._space_fd is not None or self._retry is not None or self._lost:
-            return
-        if self._channel is None or not hasattr(self._channel, "arm_space"):
-            self.space_waits += 1
-            self._retry = self._loop.call_later(0.0005, self._retry_write)
+        """The peer's ring is full: ask for a space kick (or write at once when room appeared
+        meanwhile)."""
+        if self._want_space or self._lost:
             return
         try:
             armed = self._channel.arm_space()
         except OSError as e:
             self._fatal_error(e)
             return
-        self.space_waits += 1
-        if not armed:  # room (or an error) already: no kick will come, go on now
+        if armed:
+            self.space_waits += 1
+            self._want_space = True
+            self._watch()
+        else:
             self._loop.call_soon(self._write_ready)
-            return
-        self._space_fd = self._channel.space_fd()
-        self._loop.add_reader(self._space_fd, self._space_ready)
 
-    def _stop_space_wait(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
-        if self._space_fd is not None:
-            self._loop.remove_reader(self._space_fd)
-            self._space_fd = None
-            with contextlib.suppress(OSError):
-                self._channel.disarm_space()
-
-    def _retry_write(self) -> None:
-        self._retry = None
-        self._write_ready()
-
-    def _space_ready(self) -> None:
-        self.space_wakeups += 1
-        self._stop_space_wait()
-        self._write_ready()
+    def _stop_watching(self) -> None:
+        self._want_data = self._want_space = False
+        self._unwatch()
+        if self._read_handle is not None:
+            self._read_handle.cancel()
+            self._read_handle = None
+        with contextlib.suppress(OSError):
+            self._channel.disarm()
 
     def _write_ready(self) -> None:
-        if self._lost or self._space_fd is not None or self._retry is not None:
+        if self._lost or self._want_space:
             return
         buf = self._buffer
         while buf:
@@ -416,7 +461,9 @@ class SmcTransport(asyncio.Transport):
         if self._closing:
             return
         self._closing = True
-        self._loop.remove_reader(self._fd)
+        self._want_data = False
+        if not self._want_space:
+            self._unwatch()
         if not self._buffer:
             self._lost = True
             self._loop.call_soon(self._call_connection_lost, None)
@@ -445,10 +492,8 @@ class SmcTransport(asyncio.Transport):
             return
         self._buffer.clear()
         self._buffer_size = 0
-        self._stop_space_wait()
-        if not self._closing:
-            self._closing = True
-            self._loop.remove_reader(self._fd)
+        self._stop_watching()
+        self._closing = True
         self._lost = True  # later writes are dropped
         self._loop.call_soon(self._call_connection_lost, exc)
 
@@ -456,7 +501,7 @@ class SmcTransport(asyncio.Transport):
         if self._finished:
             return
         self._finished = self._lost = True
-        self._stop_space_wait()
+        self._stop_watching()
         try:
             if self._protocol is not None:
                 self._protocol.connection_lost(exc)
@@ -487,26 +532,24 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 async def sendall(loop: asyncio.AbstractEventLoop, sock: SmcSocket, data: Any) -> None:
     """``loop.sock_sendall`` for an SMC socket: what does not fit waits for the peer's space
-    kick on :meth:`~smc_handoff.channel.Channel.space_fd` (an eventfd is always writable, so
-    asyncio's own would spin)."""
+    kick on :meth:`~smc_handoff.channel.Channel.kick_fd` (``fileno()`` is an eventfd, always
+    writable: asyncio's own would spin)."""
     view = memoryview(data).cast("B")
-    channel: Any = getattr(sock, "channel", None)
     while view.nbytes:
         try:
             n = sock.send(view)
         except (BlockingIOError, InterruptedError):
             n = 0
         view = view[n:]
-        if not view.nbytes:
+        if n or not view.nbytes:
+            continue
+        channel = sock.channel
+        if channel is None:  # not an SMC socket (any more): asyncio's own
+            await loop.sock_sendall(sock, view)
             return
-        if n:
-            continue
-        if channel is None or not hasattr(channel, "arm_space"):
-            await asyncio.sleep(0.0005)
-            continue
         if not channel.arm_space():
             continue  # room (or an error, which the next send raises) appeared meanwhile
-        fd = channel.space_fd()
+        fd = channel.kick_fd()
         woken: asyncio.Future[None] = loop.create_future()
         loop.add_reader(fd, _wake, woken)
         try:
@@ -514,4 +557,5 @@ async def sendall(loop: asyncio.AbstractEventLoop, sock: SmcSocket, data: Any) -
         finally:
             loop.remove_reader(fd)
             with contextlib.suppress(OSError):
-                channel.disarm_space()
+                channel.drain_kicks()
+                channel.disarm()

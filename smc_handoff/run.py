@@ -39,7 +39,7 @@ from typing import Any
 
 from smc_handoff import messages
 from smc_handoff.handoff import Registration
-from smc_handoff.socket import SmcSocket, _accepted
+from smc_handoff.socket import SmcSocket, accepted
 
 __all__ = [
     "AutoSocket",
@@ -77,9 +77,11 @@ client side (connect) and the server side (listen/accept), like smc-tools' smc_r
                 on tcp, the fallback reason
   -h, --help    show this help and exit
 
-Without a running smcd the program runs unchanged on plain TCP. Environment:
-SMCD_HANDOFF_SOCKET (the daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for
-the daemon's answer, default 10).
+Without a running smcd the program runs unchanged on plain TCP. asyncio programs are upgraded
+too (asyncio's own event loop; not uvloop, not TLS). Environment: SMCD_HANDOFF_SOCKET (the
+daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for the daemon's answer),
+SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default 262144,
+0 = the daemon's default).
 """
 )
 
@@ -141,10 +143,10 @@ class AutoSocket(SmcSocket):
         """A TCP stream socket no handoff was tried on yet (what an event loop hands off)."""
         return self._upgrade and _eligible(self) and self.mode == "tcp" and self.fallback is None
 
-    def hand_off_client(self, address: Any) -> AutoSocket:
+    def hand_off_client(self, address: Any, dmb_size: int = 0) -> AutoSocket:
         """Hand this connected socket off now (blocking: an event loop calls it in the
         handoff threads). Raises, the connection reset, as :func:`smc_handoff.wrap` does."""
-        self._handoff(server_side=False)
+        self._handoff(server_side=False, dmb_size=dmb_size)
         report("connect", self, address)
         return self
 
@@ -202,7 +204,7 @@ class AutoSocket(SmcSocket):
         if self._loop_accepts:
             _deferred[conn] = reg
             return conn, addr
-        smc = _accepted(conn, reg)
+        smc = accepted(conn, reg)
         report("accept", smc, addr)
         return smc, addr
 

@@ -6,11 +6,14 @@ import asyncio
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from smc_handoff import aio
 from smc_handoff import messages as m
+from smc_handoff.aio_transport import SmcTransport, run_handoff
+from smc_handoff.socket import connect, listen
 from tests.handoff.test_socket import MiniDaemon
 
 
@@ -89,5 +92,183 @@ def test_lines_and_transport_abort(setup: str) -> None:
             assert await seen == setup
             assert await asyncio.wait_for(reader.read(10), 5) == b""
             writer.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+# --- the SMC transport itself, with protocols of our own (a real channel from MiniDaemon) ------
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    d = MiniDaemon(tmp_path / "h.sock", dmb_size=16384)
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(d.path))
+    yield d
+    d.stop()
+
+
+class Recorder(asyncio.Protocol):
+    """Everything a transport tells its protocol, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.data = bytearray()
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self.eof = asyncio.Event()
+        self.got = asyncio.Event()
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.events.append("made")
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+        self.got.set()
+
+    def eof_received(self) -> bool:
+        self.events.append("eof")
+        self.eof.set()
+        return True  # keep the write half open
+
+    def pause_writing(self) -> None:
+        self.events.append("pause")
+
+    def resume_writing(self) -> None:
+        self.events.append("resume")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append("lost")
+        self.lost.set_result(exc)
+
+
+class Buffered(Recorder, asyncio.BufferedProtocol):
+    """A BufferedProtocol: the transport copies into our buffer, never calls data_received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buf = bytearray(50_000)
+        self.get_buffers = 0
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        self.get_buffers += 1
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data += self.buf[:nbytes]
+        self.got.set()
+
+    def data_received(self, data: bytes) -> None:  # pragma: no cover - must not happen
+        raise AssertionError("data_received on a BufferedProtocol")
+
+
+async def _pair(
+    client_proto: Recorder, server_proto: Recorder
+) -> tuple[SmcTransport, SmcTransport]:
+    """Two SmcTransports over one handed-off connection (connect and accept in threads)."""
+    loop = asyncio.get_running_loop()
+    server = listen(("127.0.0.1", 0))
+    try:
+        port = server.getsockname()[1]
+        client_sock = asyncio.ensure_future(run_handoff(connect, ("127.0.0.1", port)))
+        conn, _ = await run_handoff(server.accept)
+        sock = await client_sock
+    finally:
+        server.close()
+    assert sock.mode == conn.mode == "smcd"
+    transports = []
+    for s, proto in ((sock, client_proto), (conn, server_proto)):
+        waiter = loop.create_future()
+        transports.append(SmcTransport(loop, s, proto, waiter))
+        await waiter
+    return transports[0], transports[1]
+
+
+def test_buffered_protocol_extra_info_and_write_eof(daemon: MiniDaemon) -> None:
+    """A BufferedProtocol gets its bytes through get_buffer/buffer_updated (3 MiB through a
+    16 KiB ring, intact); get_extra_info as on TCP; write_eof gives the peer EOF while the
+    other direction still carries data."""
+
+    async def main() -> None:
+        a, b = Recorder(), Buffered()
+        ta, tb = await _pair(a, b)
+        assert ta.get_extra_info("peername") == tb.get_extra_info("sockname")
+        assert ta.get_extra_info("sockname") == tb.get_extra_info("peername")
+        raw = ta.get_extra_info("socket")
+        assert raw.getpeername() == ta.get_extra_info("peername")
+        assert ta.get_extra_info("smc_socket").mode == "smcd"
+        assert ta.can_write_eof()
+        data = os.urandom(3 << 20)
+        ta.write(data)
+        ta.write_eof()
+        with pytest.raises(RuntimeError):
+            ta.write(b"x")
+        await asyncio.wait_for(b.eof.wait(), 10)
+        assert hashlib.sha256(b.data).digest() == hashlib.sha256(data).digest()
+        assert b.get_buffers > 0
+        tb.write(b"after eof")  # the other direction is still open
+        while a.data != b"after eof":
+            a.got.clear()
+            await asyncio.wait_for(a.got.wait(), 5)
+        ta.close()
+        assert await asyncio.wait_for(a.lost, 5) is None
+        tb.close()
+        assert await asyncio.wait_for(b.lost, 5) is None
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_flow_control_both_ways_without_polling(daemon: MiniDaemon) -> None:
+    """The reader pauses: the writer's ring and buffer fill, pause_writing comes, and nothing
+    wakes the writer while the reader stays paused (no timer, no retries); resume_reading
+    drains everything, resume_writing follows, every byte intact."""
+
+    async def main() -> None:
+        a, b = Recorder(), Recorder()
+        ta, tb = await _pair(a, b)
+        tb.pause_reading()
+        assert not tb.is_reading()
+        data = os.urandom(1 << 20)
+        ta.write(data)
+        assert "pause" in a.events and ta.get_write_buffer_size() > 0
+        waits, wakeups = ta.space_waits, ta.wakeups
+        await asyncio.sleep(0.3)
+        assert not b.data  # paused: nothing delivered
+        assert (ta.space_waits, ta.wakeups) == (waits, wakeups) == (1, 0)
+        tb.resume_reading()
+        while len(b.data) < len(data):
+            b.got.clear()
+            await asyncio.wait_for(b.got.wait(), 5)
+        assert bytes(b.data) == data
+        assert a.events.count("resume") == a.events.count("pause") >= 1
+        assert ta.get_write_buffer_size() == 0
+        ta.close()
+        tb.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.mark.parametrize("how", ["abort_unread", "transport_abort_clean"])
+def test_peer_abort_and_close_reach_connection_lost(daemon: MiniDaemon, how: str) -> None:
+    """As on TCP: closing with received data unread resets the connection, and the peer's
+    connection_lost gets ConnectionResetError; abort() with nothing unread is a clean close,
+    and the peer reads EOF."""
+
+    async def main() -> None:
+        a, b = Recorder(), Recorder()
+        ta, tb = await _pair(a, b)
+        if how == "abort_unread":
+            tb.pause_reading()
+            ta.write(b"never read")
+            await asyncio.sleep(0.05)
+            tb.abort()
+            exc = await asyncio.wait_for(a.lost, 5)
+            assert isinstance(exc, ConnectionResetError), exc
+        else:
+            tb.abort()
+            await asyncio.wait_for(a.eof.wait(), 5)
+            ta.close()
+            assert await asyncio.wait_for(a.lost, 5) is None
+        assert await asyncio.wait_for(b.lost, 5) is None
 
     asyncio.run(asyncio.wait_for(main(), 30))
