@@ -41,14 +41,16 @@ from __future__ import annotations
 import _socket as _csocket
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket as _socket
 import struct
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from smc_handoff import messages
+from smc_handoff import layout, messages
 from smc_handoff.handoff import ChannelState, Registration, clc_at_head, hand_over, reset
 from smc_handoff.messages import Fallback
 
@@ -201,6 +203,8 @@ class SmcSocket(_BaseSocket):
         kernel's AF_SMC hands out a failed socket) kept: the application's first call fails."""
         if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
+        if not dmb_size:
+            dmb_size = _rcvbuf_hint(self)
         request = messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
         what = request.TYPE.name
         blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
@@ -528,6 +532,35 @@ class SmcSocket(_BaseSocket):
 
 
 # --- public constructors ----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _untuned_rcvbuf() -> int:
+    """SO_RCVBUF of a TCP socket nobody tuned: ``net.ipv4.tcp_rmem[1]`` (this namespace's)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 131072  # the kernel's default
+
+
+def _rcvbuf_hint(sock: _socket.socket) -> int:
+    """The DMB size the program asked for with ``SO_RCVBUF``, taken as the kernel's AF_SMC
+    takes it for its RMB (``__smc_buf_create``: ``sk_rcvbuf / 2``, i.e. the value given to
+    ``setsockopt``, capped at ``rmem_max``; rounded up to 16 KiB << n as
+    ``smc_compress_bufsize``, at most 1 MiB). 0 when the program did not set it: then the
+    daemon's default applies (``buffers.default_size``, chosen by measurement, where the
+    kernel has ``net.smc.rmem``). An accepted socket inherits its listener's setting. Asking
+    for exactly half of ``tcp_rmem[1]`` looks like no setting. ``SO_SNDBUF`` sizes nothing:
+    the channel writes straight into the peer's DMB, as loopback-ism's no-copy send buffer
+    (``smcd_buf_attach``) does."""
+    try:
+        value = _BaseSocket.getsockopt(sock, _socket.SOL_SOCKET, _socket.SO_RCVBUF)
+    except OSError:
+        return 0
+    if value == _untuned_rcvbuf():
+        return 0
+    want = value // 2
+    return next((size for size in layout.DMB_SIZES if size >= want), layout.DMB_SIZES[-1])
 
 
 def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) -> SmcSocket:
