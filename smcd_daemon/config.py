@@ -336,10 +336,10 @@ class BuffersConfig(_Section):
     max_rmb_size: Size = _doc(_bufsize_doc(SMC_RMB_MAX_EXP), default=512 << 10)
     default_size: Size = _doc(
         f"must be 16K << n and lie within both the DMB and the RMB size range {_SIZE_HINT}",
-        default=64 << 10,
+        default=256 << 10,
     )
     pool_max_bytes: Size = _doc(
-        f"must be an integer ≥ 1M {_SIZE_HINT}", default=256 << 20, ge=1 << 20
+        f"must be an integer ≥ 1M {_SIZE_HINT}", default=1 << 30, ge=1 << 20
     )
     pool_max_buffers: Count = _doc("must be an integer between 1 and 65535", default=5000)
 
@@ -400,11 +400,12 @@ class QuotaConfig(_Section):
     """Per-user limits (the uid comes from SO_PEERCRED on the handoff socket); 0 = no limit.
 
     The defaults fit 1,024 connections of one user between its own processes at the default
-    buffer size: each connection holds two DMBs (one per half) of 64 KiB, so 2,048 DMBs and
-    128 MiB; that is half of ``buffers.pool_max_bytes``, so no single user can take the pool."""
+    buffer size: each connection holds two DMBs (one per half) of 256 KiB, so 2,048 DMBs and
+    512 MiB; that is half of ``buffers.pool_max_bytes``, so no single user can take the pool.
+    The bytes are nominal: a DMB's pages are resident only once data has passed through them."""
 
     buffer_bytes: Size = _doc(
-        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=128 << 20, ge=0
+        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=512 << 20, ge=0
     )
     connections: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=2048, ge=0)
 

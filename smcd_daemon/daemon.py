@@ -52,7 +52,7 @@ from smcd_daemon.config import (
     parse_config,
 )
 from smcd_daemon.core.devices import DeviceInventory
-from smcd_daemon.core.eid import EidError, EidTable
+from smcd_daemon.core.eid import EidError, EidTable, host_local_seid
 from smcd_daemon.core.persist import (
     STATE_FILE_NAME,
     PersistError,
@@ -387,9 +387,10 @@ class Daemon:
         cfg = self.cfg
         inherited = systemd.listen_fds()  # first: before any child process could inherit them
 
-        # State (PNET table, UEIDs). A corrupt file is moved aside and logged by the store.
+        # State (PNET table, UEIDs). A corrupt file is moved aside and logged by the store. The
+        # host-local SEID makes same-host SMC-Dv2 work with no configuration (core.eid).
         try:
-            state = load_control_state(self.store)
+            state = load_control_state(self.store, seid=host_local_seid())
         except PersistError as e:
             raise StartupError(str(e)) from e
         self.pnet, self.eids = state.pnet, state.eids

@@ -5,6 +5,8 @@ if the peers share one (``smc_clc_match_eid``). On IBM Z the kernel derives the 
 machine, so two LPARs on one box match without configuration; everywhere else there is no SEID
 (``smc_clc_init`` leaves ``seid_enabled`` at 0 unless CONFIG_S390) and the operator must configure
 a common UEID on both ends (``smcd ueid add``) before SMC-Dv2 or SMC-Rv2 can be negotiated.
+smcd has a host-local SEID instead (:func:`host_local_seid`): same-host SMC-Dv2 works with no
+configuration, cross-host SMC still needs a common UEID.
 
 Rules, after the kernel (``smc_clc_ueid_add``/``_remove``, ``smc_nl_enable_seid``/``_disable_seid``
 in ``net/smc/smc_clc.c``) and smc-tools (``ueid.c``):
@@ -17,14 +19,18 @@ in ``net/smc/smc_clc.c``) and smc-tools (``ueid.c``):
   removing an unknown UEID fails (-ENOENT); flush empties the list;
 - SEID: on s390 it is enabled by default, may be disabled only while a UEID exists (-ENOENT
   otherwise) and is enabled again when the last UEID goes. Elsewhere enable/disable are not
-  supported (-EOPNOTSUPP) and the SEID is reported disabled. smcd is a userspace daemon without
-  ISM hardware, so by default it behaves as "elsewhere"; a SEID may be passed in to model IBM Z.
+  supported (-EOPNOTSUPP) and the SEID is reported disabled. smcd passes its host-local SEID
+  in and so follows the s390 rules; without a machine id it behaves as "elsewhere".
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from smcd_daemon.errors import SmcError
@@ -38,9 +44,12 @@ SEID_PREFIX = "IBM-SYSZ-ISMSEID"
 SMC_ISM_IDENT_MASK = 0xFFFF
 
 SEID_UNAVAILABLE_REASON = (
-    "the kernel derives a system EID only on IBM Z (s390) with ISM v2 hardware, so SMC-Dv2 and "
-    "SMC-Rv2 need a common UEID on both hosts (smcctl ueid add)"
+    "smcd derives its host-local system EID from /etc/machine-id, which this host lacks (the "
+    "kernel has a system EID only on IBM Z), so SMC-Dv2 and SMC-Rv2 need a common UEID on both "
+    "hosts (smcctl ueid add)"
 )
+LOCAL_SEID_PREFIX = "SMCD-LOCAL-"
+"""How smcd's host-local system EID starts (never ``IBM-SYSZ-ISMSEID``, the IBM Z one)."""
 
 _C_SPACE = " \t\n\v\f\r"
 _UEID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-")
@@ -107,6 +116,32 @@ def eid_from_wire(raw: bytes) -> str:
     """An EID field from the wire as text: trailing blanks and NULs dropped, nothing validated
     (a peer's EID is only ever compared, byte for byte)."""
     return raw[:SMC_MAX_EID_LEN].rstrip(b" \0").decode("ascii", "replace")
+
+
+def host_local_seid(
+    machine_id_path: str = "/etc/machine-id", netns_path: str = "/proc/self/ns/net"
+) -> str | None:
+    """smcd's system EID: ``SMCD-LOCAL-`` and 21 upper-case hex digits of HMAC-SHA256 keyed
+    with the machine id over "smcd-seid" and this network namespace's identity (32 bytes, as
+    every EID); None without a machine id (then there is no SEID, as off IBM Z).
+
+    The SEID stands for "systems that can use SMC-D between each other". For smcd that is one
+    daemon, i.e. one network namespace of one machine: its loopback-ism pairs only connections
+    whose two halves it holds. Enabled by default, it lets same-host SMC-Dv2 negotiate with no
+    UEID, while another host (or namespace) offers a different SEID, so cross-host SMC still
+    needs a common UEID, and SMC-Rv2 never looks at SEIDs (``smc_clc_match_eid``). A Linux
+    peer ignores a SEID off s390 and finds it unequal to its own on s390. Keyed as systemd's
+    ``sd_id128_get_machine_app_specific``, so the machine id cannot be read back from it."""
+    try:
+        key = Path(machine_id_path).read_text().strip().encode()
+        st = os.stat(netns_path)
+    except OSError:
+        return None
+    if not key:
+        return None
+    msg = f"smcd-seid:{st.st_dev}:{st.st_ino}".encode()
+    digest = hmac.new(key, msg, hashlib.sha256).hexdigest().upper()
+    return (LOCAL_SEID_PREFIX + digest)[:SMC_MAX_EID_LEN]
 
 
 def system_eid(cpu_ident: int, machine_type: int) -> str:

@@ -1,0 +1,400 @@
+"""Fast by default (#10): what an unmodified program gets from an smcd with no configuration.
+
+- one host, no configuration, ``smc-run``: both ends on SMC-D loopback-ism (the host-local
+  system EID makes same-host SMC-Dv2 need no UEID);
+- two hosts (two network namespaces joined by a veth pair, one smcd each, no configuration):
+  both ends fall back to TCP with the decline the kernel would send, and the data is intact
+  (cross-host SMC stays opt-in through a common UEID);
+- ``SO_RCVBUF`` set by a program sizes its DMB as the kernel's ``__smc_buf_create`` would
+  (``smcctl conns --json``); ``SO_SNDBUF`` sizes nothing (loopback-ism's send buffer *is* the
+  peer's DMB, as the kernel's ``smcd_buf_attach``);
+- a 64 KiB request/response and a slow reader move every byte intact.
+
+The programs are plain stdlib ``socket`` code run under ``smc-run -v``, whose stderr says which
+transport each connection end got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smcd_daemon.demo import PrivateSmcd
+from tests.control.daemon_proc import SMCD, NotifySocket, SmcdProcess, sh
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+SMC_RUN = REPO / ".venv" / "bin" / "smc-run"
+PYTHON = REPO / ".venv" / "bin" / "python"
+DEFAULT_DMB = 256 << 10
+"""buffers.default_size: the DMB an unconfigured smcd gives a program that sets no SO_RCVBUF."""
+
+SERVER = r"""
+import hashlib, socket, sys, time
+addr, rcvbuf, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+if rcvbuf:
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+lsock.bind((addr, 0))
+lsock.listen(8)
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+buf = bytearray(1 << 20)
+view = memoryview(buf)
+if mode == "echo":
+    while n := conn.recv_into(view):
+        conn.sendall(view[:n])
+elif mode == "slow":  # a slow reader: small reads, a pause every MiB, a hash of everything
+    h = hashlib.sha256()
+    total = 0
+    while n := conn.recv_into(view[:4096]):
+        h.update(view[:n])
+        if (total + n) >> 20 != total >> 20:
+            time.sleep(0.002)
+        total += n
+    conn.sendall(f"{total} {h.hexdigest()}\n".encode())
+conn.close()
+"""
+
+CLIENT = r"""
+import hashlib, os, socket, sys
+addr, mode = sys.argv[1], sys.argv[5]
+port, rcvbuf, sndbuf = (int(a) for a in sys.argv[2:5])
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+if rcvbuf:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+if sndbuf:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+sock.connect((addr, port))
+
+def exactly(n):
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise SystemExit(f"EOF after {got} of {n}")
+        got += k
+    return bytes(out)
+
+if mode == "hold":  # one echo, report the local port, wait for the test
+    sock.sendall(b"x")
+    assert exactly(1) == b"x"
+    print("UP", sock.getsockname()[1], flush=True)
+    sys.stdin.readline()
+elif mode == "rr":  # 64 KiB requests, each different, each echo compared
+    for i in range(200):
+        msg = os.urandom(65536)
+        sock.sendall(msg)
+        if exactly(65536) != msg:
+            raise SystemExit(f"round {i}: the echo differs")
+    print("RR OK", flush=True)
+elif mode == "bulk":  # 32 MiB in 64 KiB writes to a slow reader, which hashes what it got
+    h = hashlib.sha256()
+    data = os.urandom(1 << 20)
+    for i in range(32):
+        for off in range(0, 1 << 20, 65536):
+            piece = data[off : off + 65536]
+            sock.sendall(piece)
+            h.update(piece)
+    sock.shutdown(socket.SHUT_WR)
+    line = b""
+    while not line.endswith(b"\n"):
+        k = sock.recv(100)
+        if not k:
+            break
+        line += k
+    print("SENT", 32 << 20, h.hexdigest(), "GOT", line.decode().strip(), flush=True)
+sock.close()
+"""
+
+VERBOSE = re.compile(
+    r"smc-run\[\d+\]: (connect|accept) \(.*?\): (\w+)(?: conn \d+)?(?: \((.*)\))?$"
+)
+
+
+def _smc_run(env: dict[str, str], code: str, *args: object, netns: str | None = None) -> list[str]:
+    argv = [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", code, *map(str, args)]
+    return ["ip", "netns", "exec", netns, *argv] if netns else argv
+
+
+def _modes(stderr: str) -> list[tuple[str, str, str | None]]:
+    """(connect|accept, transport, fallback reason) of every connection end smc-run reported."""
+    return [(m[1], m[2], m[3]) for line in stderr.splitlines() if (m := VERBOSE.search(line))]
+
+
+class Pair:
+    """A server and a client program, each under ``smc-run -v``."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        *,
+        addr: str = "127.0.0.1",
+        server_rcvbuf: int = 0,
+        server_mode: str = "echo",
+        client_rcvbuf: int = 0,
+        client_sndbuf: int = 0,
+        client_mode: str = "hold",
+        server_env: dict[str, str] | None = None,
+        server_netns: str | None = None,
+        client_netns: str | None = None,
+    ) -> None:
+        self.server = subprocess.Popen(
+            _smc_run(server_env or env, SERVER, addr, server_rcvbuf, server_mode,
+                     netns=server_netns),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=server_env or env,
+        )  # fmt: skip
+        assert self.server.stdout is not None
+        first = self.server.stdout.readline()
+        if not first.startswith("PORT "):
+            self.server.kill()
+            raise AssertionError(f"server said {first!r}: {self.server.communicate()[1]}")
+        self.port = int(first.split()[1])
+        self.client = subprocess.Popen(
+            _smc_run(env, CLIENT, addr, self.port, client_rcvbuf, client_sndbuf, client_mode,
+                     netns=client_netns),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
+
+    def line(self) -> str:
+        assert self.client.stdout is not None
+        text = self.client.stdout.readline()
+        if not text:
+            self.kill()
+            raise AssertionError(f"client said nothing: {self.client.communicate()[1]}")
+        return text.strip()
+
+    def finish(self) -> tuple[str, str]:
+        """Both programs' stderr once both exited (the client first)."""
+        _, cerr = self.client.communicate(timeout=120)
+        _, serr = self.server.communicate(timeout=60)
+        assert self.client.returncode == 0, cerr
+        assert self.server.returncode == 0, serr
+        return cerr, serr
+
+    def kill(self) -> None:
+        for p in (self.client, self.server):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def nocfg() -> Iterator[PrivateSmcd]:
+    """A private smcd started with no configuration file: its embedded defaults."""
+    daemon = PrivateSmcd(config_text="", name="fastdefault")
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.cleanup()
+
+
+def _env(daemon: PrivateSmcd) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+    return {**env, **daemon.env, "PYTHONPATH": os.fspath(REPO)}
+
+
+def test_no_configuration_same_host_gets_smcd(nocfg: PrivateSmcd) -> None:
+    pair = Pair(_env(nocfg))
+    try:
+        assert pair.line().startswith("UP ")
+        assert pair.client.stdin is not None
+        pair.client.stdin.write("\n")
+        pair.client.stdin.flush()
+        cerr, serr = pair.finish()
+    finally:
+        pair.kill()
+    assert _modes(cerr) == [("connect", "smcd", None)], cerr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
+def _conn_sizes(daemon: PrivateSmcd, port: int) -> dict[str, dict[str, int]]:
+    """The two halves of the connection on ``port`` (the server's), as ``smcctl conns`` shows
+    them: role → RmbeSize (our DMB), PeerRmbeSize and SndbufSize (the peer's DMB we write to)."""
+    proc = daemon.smcctl("conns", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = {}
+    for c in json.loads(proc.stdout):
+        if c.get("Mode") != "SMCD":
+            continue
+        role = "server" if c.get("LocalPort") == port else "client"
+        if port not in (c.get("LocalPort"), c.get("PeerPort")):
+            continue
+        out[role] = {k: int(c[k]) for k in ("RmbeSize", "PeerRmbeSize", "SndbufSize")}
+    assert set(out) == {"server", "client"}, proc.stdout
+    return out
+
+
+@pytest.mark.parametrize(
+    ("server_rcvbuf", "client_rcvbuf", "client_sndbuf", "server_dmb", "client_dmb"),
+    [
+        (0, 0, 0, DEFAULT_DMB, DEFAULT_DMB),  # nothing set: the measured default
+        (1 << 20, 0, 0, 1 << 20, DEFAULT_DMB),  # the listener's SO_RCVBUF, inherited by accept
+        (0, 100_000, 0, DEFAULT_DMB, 128 << 10),  # rounded up to 16 KiB << n, as the kernel
+        (0, 16 << 10, 0, DEFAULT_DMB, 16 << 10),  # the smallest class
+        (0, 0, 1 << 20, DEFAULT_DMB, DEFAULT_DMB),  # SO_SNDBUF sizes nothing on loopback-ism
+    ],
+)
+def test_so_rcvbuf_sizes_the_dmb(
+    nocfg: PrivateSmcd,
+    server_rcvbuf: int,
+    client_rcvbuf: int,
+    client_sndbuf: int,
+    server_dmb: int,
+    client_dmb: int,
+) -> None:
+    pair = Pair(
+        _env(nocfg),
+        server_rcvbuf=server_rcvbuf,
+        client_rcvbuf=client_rcvbuf,
+        client_sndbuf=client_sndbuf,
+    )
+    try:
+        assert pair.line().startswith("UP ")
+        sizes = _conn_sizes(nocfg, pair.port)
+        assert pair.client.stdin is not None
+        pair.client.stdin.write("\n")
+        pair.client.stdin.flush()
+        cerr, serr = pair.finish()
+    finally:
+        pair.kill()
+    assert _modes(cerr)[0][1] == "smcd" and _modes(serr)[0][1] == "smcd", (cerr, serr)
+    assert sizes["server"]["RmbeSize"] == server_dmb, sizes
+    assert sizes["client"]["RmbeSize"] == client_dmb, sizes
+    # each end writes straight into the other's DMB: its send buffer is the peer's DMB
+    for me, peer in (("server", "client"), ("client", "server")):
+        assert sizes[me]["PeerRmbeSize"] == sizes[peer]["RmbeSize"], sizes
+        assert sizes[me]["SndbufSize"] == sizes[peer]["RmbeSize"], sizes
+
+
+def test_64k_request_response_is_intact(nocfg: PrivateSmcd) -> None:
+    pair = Pair(_env(nocfg), client_mode="rr")
+    try:
+        assert pair.line() == "RR OK"
+        cerr, serr = pair.finish()
+    finally:
+        pair.kill()
+    assert _modes(cerr) == [("connect", "smcd", None)], cerr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
+def test_slow_reader_gets_every_byte(nocfg: PrivateSmcd) -> None:
+    pair = Pair(_env(nocfg), server_mode="slow", client_mode="bulk")
+    try:
+        line = pair.line()
+        cerr, serr = pair.finish()
+    finally:
+        pair.kill()
+    _, sent, digest, _, got, got_digest = line.split()
+    assert (got, got_digest) == (sent, digest), line
+    assert _modes(cerr) == [("connect", "smcd", None)], cerr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
+# --- two hosts ------------------------------------------------------------------------------
+
+
+def _daemon_in(
+    ns: str, work: Path, name: str, config: str = ""
+) -> tuple[SmcdProcess, dict[str, str]]:
+    """An smcd inside network namespace ``ns`` with no configuration file (or ``config``), its
+    own runtime dir, handoff socket and private bus, as ``PrivateSmcd``."""
+    run = work / name
+    run.mkdir()
+    argv = [
+        "ip", "netns", "exec", ns, os.fspath(SMCD),
+        "--runtime-dir", os.fspath(run), "--state-dir", os.fspath(run / "state"),
+        "--handoff-socket", os.fspath(run / "handoff.sock"), "--bus", "private",
+        "--log-level", "info",
+    ]  # fmt: skip
+    if config:
+        (run / "smcd.toml").write_text(config)
+        argv += ["--config", os.fspath(run / "smcd.toml")]
+    proc = SmcdProcess(argv, work / f"{name}.log", NotifySocket(work / f"{name}.notify"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+    env |= {"SMCD_HANDOFF_SOCKET": os.fspath(run / "handoff.sock"), "PYTHONPATH": os.fspath(REPO)}
+    return proc, env
+
+
+@pytest.mark.parametrize(
+    ("client_config", "client_code", "server_code"),
+    [
+        # Nothing configured: nothing told the client's smcd that the remote peer speaks SMC
+        # (the kernel learns it from the SMC option of the SYN-ACK), so it falls back before
+        # proposing, as the kernel does without that option; the server sees plain TCP.
+        ("", "SMC_CLC_DECL_PEERNOSMC", "SMC_CLC_DECL_PEERNOSMC"),
+        # The peer declared SMC-capable but no common UEID: the client proposes (with its
+        # host-local system EID, which is not the other host's), the server declines.
+        ('peers = ["198.51.100.0/24"]\n', "SMC_CLC_DECL_PEERDECL", None),
+    ],
+)
+def test_no_configuration_two_hosts_fall_back(
+    client_config: str, client_code: str, server_code: str | None
+) -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.fail("two hosts need root and ip(8) for network namespaces: run as root with "
+                    "iproute2 installed (tests/host/install-deps.sh)")  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="smcd-twohosts-", dir="/tmp"))
+    tag = f"smcfd{os.getpid()}"
+    ns_a, ns_b = f"{tag}a", f"{tag}b"
+    daemons: list[SmcdProcess] = []
+    try:
+        sh("ip", "netns", "add", ns_a)
+        sh("ip", "netns", "add", ns_b)
+        sh("ip", "-n", ns_a, "link", "add", "fda", "type", "veth", "peer", "name", "fdb",
+           "netns", ns_b)  # fmt: skip
+        sh("ip", "-n", ns_a, "addr", "add", "198.51.100.1/24", "dev", "fda")
+        sh("ip", "-n", ns_b, "addr", "add", "198.51.100.2/24", "dev", "fdb")
+        for ns, dev in ((ns_a, "fda"), (ns_b, "fdb"), (ns_a, "lo"), (ns_b, "lo")):
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+        (da, env_a) = _daemon_in(ns_a, work, "a", client_config)
+        (db, env_b) = _daemon_in(ns_b, work, "b")
+        for d in (da, db):
+            daemons.append(d.start())
+        for d in (da, db):
+            d.wait_ready()
+        pair = Pair(
+            env_a,
+            addr="198.51.100.2",
+            server_env=env_b,
+            server_netns=ns_b,
+            client_netns=ns_a,
+            client_mode="rr",
+        )
+        try:
+            assert pair.line() == "RR OK"  # the data is intact on the fallback too
+            cerr, serr = pair.finish()
+        finally:
+            pair.kill()
+    finally:
+        for d in daemons:
+            if d.alive():
+                d.stop()
+        for ns in (ns_a, ns_b):
+            sh("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    (client,), (server,) = _modes(cerr), _modes(serr)
+    print(f"two hosts: server {server[2]}; client {client[2]}", file=sys.stderr)
+    assert client[:2] == ("connect", "tcp") and server[:2] == ("accept", "tcp"), (cerr, serr)
+    declined = re.match(r"(SMC_CLC_DECL_\w+) \((0x[0-9a-f]{8})\)", server[2] or "")
+    assert declined, server
+    assert (client[2] or "").startswith(client_code), client
+    if server_code is not None:
+        assert declined[1] == server_code, server
+    else:  # the server's decline reached the client as the peer's diagnosis
+        assert declined[1] in ("SMC_CLC_DECL_NOUEID", "SMC_CLC_DECL_NOSMCD2DEV"), server
+        assert f"peer diagnosis {declined[2]}" in (client[2] or ""), (client, server)
