@@ -41,8 +41,9 @@ systemctl daemon-reload
 
 cd "$repo" || exit 1
 # The wheelhouse was built on the host just before the boot; files of the tree edited since then
-# (other work going on in the checkout) must not make the offline guest try to rebuild it.
-touch .cache/wheels/.complete
+# or while the tests run (other work going on in the shared checkout) must not make the offline
+# guest try to rebuild it: its stamp is dated a day ahead.
+touch -d "@$(( $(date +%s) + 86400 ))" .cache/wheels/.complete
 echo "{\"uptime_at_tests\": $(cut -d' ' -f1 /proc/uptime), \"systemd\": \"$(systemctl --version | head -n 1)\"}" >"$out/guest.json"
 export HOME=/root PYTHONDONTWRITEBYTECODE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 export SMCD_VM_REPORT="$out/results.jsonl" SMCD_SYSTEMD_VM_OUT="$out"
