@@ -51,7 +51,10 @@ __all__ = ["HANDOFF_THREADS", "SmcTransport", "run_handoff", "sendall"]
 HANDOFF_THREADS = 8
 """Handoffs in progress at once per process (each waits for the daemon's CLC exchange)."""
 
-_MAX_SIZE = 256 * 1024  # bytes per read, as asyncio's selector transport
+_MAX_SIZE = 64 * 1024
+"""Bytes per read (asyncio's socket transport reads 256 KiB). Each read frees its part of the
+peer's ring at once, so smaller reads let the writer refill behind the reader (the peer kicks
+for space once half the ring is free) instead of both taking turns on a whole ring."""
 _HIGH = 64 * 1024
 
 _T = TypeVar("_T")
@@ -188,12 +191,15 @@ class SmcTransport(asyncio.Transport):
     def _kicked(self) -> None:
         """The kick descriptor is readable: a kick we asked for, or the peer hung up."""
         self.wakeups += 1
-        self._channel.drain_kicks()  # first: a kick after this keeps the descriptor readable
-        if self._want_space:
+        ch = self._channel
+        ch.drain_kicks()  # first: a kick after this keeps the descriptor readable
+        # Look only where the kick can be for: a request still armed stays armed (its kick has
+        # not come: the peer publishes before it kicks).
+        if self._want_space and ch.tx_room:
             self._want_space = False
             self.space_wakeups += 1
             self._write_ready()  # asks for the next space kick when it fills the ring again
-        if self._want_data:
+        if self._want_data and ch.rx_pending:
             self._want_data = False
             self._read_ready()  # asks for the next data kick when it empties the ring
         if not (self._want_data or self._want_space):

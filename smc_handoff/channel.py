@@ -546,6 +546,17 @@ class Channel(ChannelBase):
             return False
         return True
 
+    @property
+    def rx_pending(self) -> bool:
+        """Data, EOF or an abort waits to be read (or the peer is gone): a load or two, no
+        system call (for a loop that woke up and wants to know which way to look)."""
+        return self._rx_ready() or self._link_dead
+
+    @property
+    def tx_room(self) -> bool:
+        """A send would accept a byte or raise (as :meth:`writable`, without a system call)."""
+        return self._tx_ready() or self._link_dead
+
     def disarm(self) -> None:
         """Withdraw both requests (a loop that stops watching)."""
         if not self._closed:
