@@ -272,3 +272,38 @@ def test_peer_abort_and_close_reach_connection_lost(daemon: MiniDaemon, how: str
         assert await asyncio.wait_for(b.lost, 5) is None
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_handoff_never_blocks_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that never answers: the handoff waits its full timeout (and then fails, the
+    connection reset), while the event loop goes on running its other work all along."""
+    d = MiniDaemon(tmp_path / "h.sock", behaviour="silent")
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(d.path))
+    monkeypatch.setenv("SMCD_HANDOFF_TIMEOUT", "0.6")
+
+    async def main() -> None:
+        tcp = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = tcp.sockets[0].getsockname()[1]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            await aio.open_connection("127.0.0.1", port)
+        took = loop.time() - t0
+        task.cancel()
+        tcp.close()
+        assert took >= 0.5, took
+        assert ticks >= 0.5 * took / 0.01, (ticks, took)  # the loop kept turning meanwhile
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        d.stop()
