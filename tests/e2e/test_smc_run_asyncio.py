@@ -235,3 +235,20 @@ def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
     assert not re.search(rf"{tls_port}.*: (registered|smcd)", err), err
     assert re.search(rf"listen .*{plain_port}.*: registered as listener", err), err
     assert re.search(rf"connect .*{plain_port}.*: smcd conn \d+", err), err
+
+
+def test_no_daemon_tcp_with_the_reason(programs: Programs, tmp_path: Path) -> None:
+    """Without a daemon the asyncio programs run on TCP as they are, and smc-run -v says so for
+    the listener and each connection, with the fallback reason, as for blocking sockets."""
+    programs.env["SMCD_HANDOFF_SOCKET"] = os.fspath(tmp_path / "absent.sock")
+    server = programs.streams("server", "close")
+    port = int(_line(server, r"port (\d+)").group(1))
+    client = programs.streams("client", "close", port, 0)
+    assert _line(client, r"got (\w+)").group(1) == "bye"
+    assert _line(client, r"(eof \d+|error \w+)").group(1) == "eof 0"
+    assert client.wait(20) == 0
+    server_err, client_err = programs.stop()
+    reason = r"tcp \(DAEMON_UNAVAILABLE .*absent\.sock"
+    assert re.search(rf"listen .*{port}.*: {reason}", server_err), server_err
+    assert re.search(rf"accept .*: {reason}", server_err), server_err
+    assert re.search(rf"connect .*{port}.*: {reason}", client_err), client_err
