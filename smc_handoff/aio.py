@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from smc_handoff.aio_transport import SmcTransport, run_handoff
+from smc_handoff.aio_transport import SmcTransport, loop_dmb_size, run_handoff
 from smc_handoff.messages import Fallback
 from smc_handoff.socket import SmcServer, SmcSocket, accepted, connect, listen
 
@@ -71,11 +71,12 @@ async def open_connection(
     port: int,
     *,
     limit: int = _LIMIT,
-    dmb_size: int = 0,
+    dmb_size: int | None = None,
     timeout: float | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Connect, hand off to smcd (or stay on TCP with the reason) and return streams."""
-    sock = await run_handoff(functools.partial(connect, (host, port), timeout, dmb_size=dmb_size))
+    size = loop_dmb_size() if dmb_size is None else dmb_size
+    sock = await run_handoff(functools.partial(connect, (host, port), timeout, dmb_size=size))
     try:
         return await _streams(sock, limit)
     except BaseException:
@@ -183,7 +184,7 @@ async def start_server(
     backlog: int = 100,
     family: int = _socket.AF_INET,
     reuse_port: bool = False,
-    dmb_size: int = 0,
+    dmb_size: int | None = None,
 ) -> SmcStreamServer:
     """Listen (registered with smcd when it runs) and call ``client_connected_cb(reader,
     writer)`` for each connection, as :func:`asyncio.start_server` does."""
@@ -192,7 +193,12 @@ async def start_server(
     server = await loop.run_in_executor(
         None,
         functools.partial(
-            listen, address, backlog, family=family, reuse_port=reuse_port, dmb_size=dmb_size
+            listen,
+            address,
+            backlog,
+            family=family,
+            reuse_port=reuse_port,
+            dmb_size=loop_dmb_size() if dmb_size is None else dmb_size,
         ),
     )
     return SmcStreamServer(server, client_connected_cb, limit, loop)

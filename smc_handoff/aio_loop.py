@@ -29,15 +29,14 @@ import asyncio
 import contextvars
 import functools
 import logging
-import os
 from asyncio import base_events, exceptions, selector_events
 from typing import Any
 
 from smc_handoff import run
-from smc_handoff.aio_transport import SmcTransport, run_handoff, sendall
+from smc_handoff.aio_transport import SmcTransport, loop_dmb_size, run_handoff, sendall
 from smc_handoff.socket import SmcSocket, accepted
 
-__all__ = ["LOOP_DMB_SIZE", "dmb_size", "install", "install_uvloop_report"]
+__all__ = ["install", "install_uvloop_report"]
 
 log = logging.getLogger("smc_handoff.aio_loop")
 
@@ -45,21 +44,6 @@ _no_upgrade: contextvars.ContextVar[bool] = contextvars.ContextVar("smc_no_upgra
 """Set while ``create_connection(ssl=...)`` connects: TLS stays on TCP."""
 
 _installed = False
-
-LOOP_DMB_SIZE = 256 << 10
-"""The receive buffer an event loop's connection asks smcd for (each end its own; the daemon
-clamps it to ``buffers.min_dmb_size``..``max_dmb_size``), where a blocking one takes the
-daemon's default (64 KiB). A ring the size of a message costs an event loop two extra wakeups
-per message (ring full: wait for room, then for the rest), tens of microseconds each in Python,
-where a blocking reader spins; a 64 KiB HTTP response and its headers fit 256 KiB with room for
-the next. ``$SMC_RUN_DMB_SIZE`` overrides it (bytes; 0: the daemon's default)."""
-
-
-def dmb_size() -> int:
-    try:
-        return int(os.environ.get("SMC_RUN_DMB_SIZE", LOOP_DMB_SIZE))
-    except ValueError:
-        return LOOP_DMB_SIZE
 
 
 async def _smc_transport(
@@ -86,7 +70,7 @@ async def _smc_transport(
 
 async def _hand_off_client(sock: Any, address: Any) -> None:
     if isinstance(sock, run.AutoSocket) and not _no_upgrade.get() and sock.can_upgrade:
-        await run_handoff(sock.hand_off_client, address, dmb_size())
+        await run_handoff(sock.hand_off_client, address, loop_dmb_size())
 
 
 def install() -> None:
@@ -181,7 +165,7 @@ def install() -> None:
         if reg is not None and sslcontext is None:
             peer = extra.get("peername") if extra else None
             try:
-                conn = await run_handoff(accepted, conn, reg, dmb_size())
+                conn = await run_handoff(accepted, conn, reg, loop_dmb_size())
             except OSError as e:  # the connection was reset (see smc_handoff.handoff)
                 conn.close()
                 log.debug("accept %s: %s", peer, e)
@@ -211,7 +195,7 @@ def install() -> None:
         conn, address = await sock_accept(self, sock)
         reg = run.take_deferred(conn)
         if reg is not None:
-            conn = await run_handoff(accepted, conn, reg, dmb_size())
+            conn = await run_handoff(accepted, conn, reg, loop_dmb_size())
             run.report("accept", conn, address)
         return conn, address
 
