@@ -39,7 +39,7 @@ from smc_handoff.layout import (
     W_PROD,
     W_TYPE,
     WRAP_SHIFT,
-    check_dmb_size,
+    check_channel_size,
     create_dmb,
 )
 from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, Waiter, link_watcher, spin
@@ -171,8 +171,8 @@ class ChannelBase:
                 raise ChannelUnsupportedError(
                     errno.EOPNOTSUPP, "shared-memory channel needs a TSO CPU (x86-64, s390x)"
                 )
-            check_dmb_size(rx_size)
-            check_dmb_size(tx_size)
+            check_channel_size(rx_size)
+            check_channel_size(tx_size)
             rx_mm = layout.map_dmb(rx_dmb_fd, rx_size)
             tx_mm = layout.map_dmb(tx_dmb_fd, tx_size)
             os.set_blocking(rx_eventfd, False)

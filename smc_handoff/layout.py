@@ -9,6 +9,15 @@ by a small control trailer that is not part of the DMB proper::
     0            32                                   size          size + CTRL_LEN
     | CDC header | ring (size - 32 bytes of data)      | ctrl trailer |
 
+An SMC-R RMB (and send buffer) uses the same channel view with a ring of exactly the kernel's
+RMBE size: the memfd holds ``32 + rmbe`` bytes plus the trailer, the header stays in front, and
+only the ring (``32 .. 32 + rmbe``) is registered and advertised to the peer, because a kernel
+peer writes at offsets 0 .. rmbe - 1 of the RMBE it was given. The channel's ``size`` for such a
+buffer is ``rmbe + 32`` (:data:`SMCR_CHANNEL_SIZES`); the ring is always ``size - 32``::
+
+    0            32                                   32 + rmbe     32 + rmbe + CTRL_LEN
+    | CDC header | ring (rmbe bytes: the RMBE proper)  | ctrl trailer |
+
 * **CDC header** (PROTOCOL.md §1.8, ``struct smcd_cdc_msg``, host byte order): written only by the
   *peer* (the sender into this ring), read by the owner (the receiver). Same bytes as
   ``smcd_daemon.wire.cdc.SmcdCdcHeader`` (a test checks it byte for byte).
@@ -72,6 +81,7 @@ import threading
 __all__ = [
     "CDC_HEADER_LEN",
     "CDC_MSG_TYPE",
+    "CHANNEL_SIZES",
     "COUNT_SHIFT",
     "CSFLAGS_SHIFT",
     "CTRL_LEN",
@@ -84,12 +94,14 @@ __all__ = [
     "PFLAGS_SHIFT",
     "SAFETY_NET_S",
     "SMCD_DMBE_SIZES",
+    "SMCR_CHANNEL_SIZES",
     "SMC_BUF_MIN",
     "TYPE_WORD",
     "WRAP_SHIFT",
     "W_CONS",
     "W_PROD",
     "W_TYPE",
+    "check_channel_size",
     "check_dmb_size",
     "cons_word",
     "create_dmb",
@@ -98,6 +110,7 @@ __all__ = [
     "fence",
     "map_dmb",
     "prod_word",
+    "smcr_channel_size",
     "split_word",
     "zero_dmb",
 ]
@@ -112,6 +125,10 @@ SMC_BUF_MIN = 16384
 SMCD_DMBE_SIZES = 6
 #: The channel sizes, SMC-D's compressed DMB sizes (``smc_compress_bufsize``: 16 KiB << n).
 DMB_SIZES = tuple(SMC_BUF_MIN << n for n in range(SMCD_DMBE_SIZES + 1))
+#: Channel sizes of SMC-R buffers: the header in front of a ring of exactly an RMBE size.
+SMCR_CHANNEL_SIZES = tuple(size + CDC_HEADER_LEN for size in DMB_SIZES)
+#: Every size a channel maps (SMC-D DMBs and SMC-R buffers).
+CHANNEL_SIZES = DMB_SIZES + SMCR_CHANNEL_SIZES
 
 # Word indexes in the header viewed as 4 x u64, and in the trailer viewed as 16 x u64.
 W_TYPE, W_PROD, W_CONS = 0, 1, 2
@@ -147,6 +164,20 @@ def check_dmb_size(size: int) -> None:
         raise ValueError(f"DMB size {size} is not an SMC-D size (16 KiB << n, n = 0..6)")
 
 
+def check_channel_size(size: int) -> None:
+    if size not in CHANNEL_SIZES:
+        raise ValueError(
+            f"channel size {size} is neither an SMC-D DMB size (16 KiB << n, n = 0..6) nor an "
+            "SMC-R buffer's (that + 32)"
+        )
+
+
+def smcr_channel_size(rmbe_size: int) -> int:
+    """The channel size of an SMC-R buffer whose ring (the advertised RMBE) is ``rmbe_size``."""
+    check_dmb_size(rmbe_size)
+    return rmbe_size + CDC_HEADER_LEN
+
+
 def create_dmb(size: int, name: str = "smc-dmb") -> int:
     """Create a zeroed DMB memfd of ``size`` bytes plus the control trailer; returns the fd
     (close-on-exec; hand it on with SCM_RIGHTS or ``pass_fds``)."""
@@ -175,8 +206,9 @@ def map_dmb(fd: int, size: int) -> mmap.mmap:
     hands DMBs out as holes, so populating allocates and zeroes every page of the ring at
     connect time (and each connection maps four), while a short connection touches two or
     three pages. A transfer that fills the ring pays the same faults once, spread over its
-    first pass, so it is no slower in all than populating."""
-    check_dmb_size(size)
+    first pass, so it is no slower in all than populating. ``size`` is a channel size (an
+    SMC-R buffer's is its RMBE size + 32)."""
+    check_channel_size(size)
     return mmap.mmap(fd, size + CTRL_LEN, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 

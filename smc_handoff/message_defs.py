@@ -205,6 +205,13 @@ def _check_size(name: str, value: int, *, zero_ok: bool) -> None:
         raise ValueError(f"{name} must be 16 KiB << n (n = 0..6){' or 0' if zero_ok else ''}")
 
 
+def _check_channel_size(name: str, value: int) -> None:
+    """A channel's buffer: an SMC-D DMB size, or an SMC-R RMBE size + 32 (``layout``)."""
+    _check_uint(name, value, 32)
+    if value not in layout.CHANNEL_SIZES:
+        raise ValueError(f"{name} must be 16 KiB << n (n = 0..6), or that + 32 (SMC-R)")
+
+
 def _check_text(name: str, value: str, *, is_name: bool = False) -> None:
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a str")
@@ -344,8 +351,8 @@ class Resume:
         _check_uint("conn_id", self.conn_id, 64)
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "mode", Mode(self.mode))
-        _check_size("rx_size", self.rx_size, zero_ok=False)
-        _check_size("tx_size", self.tx_size, zero_ok=False)
+        _check_channel_size("rx_size", self.rx_size)
+        _check_channel_size("tx_size", self.tx_size)
         _check_uint("bytes_sent", self.bytes_sent, 64)
         _check_uint("bytes_received", self.bytes_received, 64)
 
@@ -432,8 +439,8 @@ class Channel:
         if self.conn_id == 0:
             raise ValueError("conn_id must not be 0")
         object.__setattr__(self, "mode", Mode(self.mode))
-        _check_size("rx_size", self.rx_size, zero_ok=False)
-        _check_size("tx_size", self.tx_size, zero_ok=False)
+        _check_channel_size("rx_size", self.rx_size)
+        _check_channel_size("tx_size", self.tx_size)
 
     def body(self) -> bytes:
         return struct.pack("!QBII", self.conn_id, self.mode, self.rx_size, self.tx_size)

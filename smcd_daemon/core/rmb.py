@@ -6,16 +6,18 @@ connection it serves, so a buffer keeps its registrations (one per RoCE port/PD 
 for as long as it stays in the pool, like the kernel's per-link-group RMB lists
 (``smcr_new_buf_create`` / ``smc_buf_get_slot``) and the verbs MR cache.
 
-Layout: exactly the shared-channel layout of :mod:`smc_handoff.layout`, because the application's
-:class:`smc_handoff.channel.Channel` maps these buffers unchanged::
+Layout: the SMC-R channel layout of :mod:`smc_handoff.layout`, because the application's
+:class:`smc_handoff.channel.Channel` maps these buffers unchanged; ``size`` is the RMBE size and
+the ring is exactly that long, as the kernel's RMBE is (a kernel peer writes at offsets
+0 .. size - 1 of what it was given), with the channel's header in front of it::
 
-    0            32                          size         size + 128
-    | CDC header | ring (size - 32 bytes)    | ctrl trailer |
+    0            32                          32 + size    32 + size + 128
+    | CDC header | ring (size bytes)         | ctrl trailer |
 
 * An **RMB** is the application's receive buffer. The peer RDMA-WRITEs into its *ring*; only the
-  ring is registered (``IBV_ACCESS_REMOTE_WRITE``), so a peer that writes past it gets a remote
-  access error instead of overwriting the header or the wakeup words. The daemon writes the
-  header from the CDC messages it receives.
+  ring is registered (``IBV_ACCESS_REMOTE_WRITE``) and advertised, so a peer that writes past
+  it gets a remote access error instead of overwriting the header or the wakeup words. The
+  daemon writes the header from the CDC messages it receives.
 * A **send buffer** is the application's transmit buffer: the application writes its bytes into
   the ring and the daemon gathers RDMA WRITEs from it; registered for local access only.
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from smc_handoff.layout import CDC_HEADER_LEN, CTRL_LEN, DMB_SIZES, map_dmb
+from smc_handoff.layout import CDC_HEADER_LEN, CTRL_LEN, DMB_SIZES, map_dmb, smcr_channel_size
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire.reasons import DeclineReason
 
@@ -82,18 +84,19 @@ class Registrar(Protocol):
 
 
 def buffer_size_for(wanted: int) -> int:
-    """The smallest channel size (16 KiB << n) holding ``wanted`` bytes of ring, capped at the
+    """The smallest RMBE size (16 KiB << n) holding ``wanted`` bytes of ring, capped at the
     largest (1 MiB)."""
     for size in DMB_SIZES:
-        if size - CDC_HEADER_LEN >= wanted:
+        if size >= wanted:
             return size
     return DMB_SIZES[-1]
 
 
 @dataclass(eq=False)
 class SmcrBuffer:
-    """One memfd buffer, mapped by the daemon. ``regions`` holds its registrations by registrar
-    name (a RoCE device:port); ``generation`` counts the connections that used it."""
+    """One memfd buffer, mapped by the daemon. ``size`` is the RMBE size (the ring's length);
+    ``regions`` holds its registrations by registrar name (a RoCE device:port);
+    ``generation`` counts the connections that used it."""
 
     kind: BufferKind
     size: int
@@ -108,7 +111,12 @@ class SmcrBuffer:
 
     @property
     def ring_len(self) -> int:
-        return self.size - CDC_HEADER_LEN
+        return self.size
+
+    @property
+    def channel_size(self) -> int:
+        """The size the application's channel maps it as (``layout.SMCR_CHANNEL_SIZES``)."""
+        return smcr_channel_size(self.size)
 
     def region(self, name: str) -> Any:
         return self.regions[name]
@@ -116,7 +124,7 @@ class SmcrBuffer:
     def zero(self) -> None:
         """Zero header, ring and trailer in place (registrations stay valid)."""
         self.mm.seek(0)
-        self.mm.write(_zeros(self.size + CTRL_LEN))
+        self.mm.write(_zeros(self.channel_size + CTRL_LEN))
         self.mm.seek(0)
 
     def dup_fd(self) -> int:
@@ -170,7 +178,7 @@ class RmbPool:
         return buf
 
     def _create(self, kind: BufferKind, size: int) -> SmcrBuffer:
-        total = size + CTRL_LEN
+        total = smcr_channel_size(size) + CTRL_LEN
         if self.max_bytes and self.bytes + total > self.max_bytes:
             self._trim(self.bytes + total - self.max_bytes)
             if self.bytes + total > self.max_bytes:
@@ -184,7 +192,7 @@ class RmbPool:
             raise RmbPoolError(f"memfd_create for a {size >> 10} KiB {kind}: {e}") from e
         try:
             os.ftruncate(fd, total)
-            mm = map_dmb(fd, size)
+            mm = map_dmb(fd, smcr_channel_size(size))
         except OSError as e:
             os.close(fd)
             raise RmbPoolError(f"mapping a {size >> 10} KiB {kind}: {e}") from e
@@ -194,9 +202,9 @@ class RmbPool:
             size,
             fd,
             mm,
-            ring=mv[CDC_HEADER_LEN:size],
+            ring=mv[CDC_HEADER_LEN : CDC_HEADER_LEN + size],
             header=mv[:CDC_HEADER_LEN].cast("Q"),
-            ctrl=mv[size:total].cast("Q"),
+            ctrl=mv[CDC_HEADER_LEN + size : total].cast("Q"),
         )
         mv.release()
         self.bytes += total
@@ -239,7 +247,7 @@ class RmbPool:
         for idle in self._idle.values():
             while idle and freed < need:
                 buf = idle.pop()
-                freed += buf.size + CTRL_LEN
+                freed += buf.channel_size + CTRL_LEN
                 self._destroy(buf)
 
     def _destroy(self, buf: SmcrBuffer) -> None:
@@ -256,7 +264,7 @@ class RmbPool:
             buf.mm.close()
         with contextlib.suppress(OSError):
             os.close(buf.fd)
-        self.bytes -= buf.size + CTRL_LEN
+        self.bytes -= buf.channel_size + CTRL_LEN
 
     def _all(self) -> Iterator[SmcrBuffer]:
         yield from self._busy

@@ -52,7 +52,6 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from smc_handoff.layout import CDC_HEADER_LEN
 from smcd_daemon.core import registry as reg
 from smcd_daemon.core.buffers import compress_size
 from smcd_daemon.core.rmb import BufferKind, RmbPool, buffer_size_for
@@ -326,7 +325,7 @@ class SmcrTransport(LlcOutputs):
 
     def allocate_rmb(self, lgr_id: int, link_id: int, size: int) -> SmcrGrant:
         g = self._lgr(lgr_id)
-        bufsize = buffer_size_for(max(size - CDC_HEADER_LEN, 1))
+        bufsize = buffer_size_for(max(size, 1))
         rmb_id = next((i for i in g.free_rmbs if g.rmbs[i].size == bufsize), None)
         if rmb_id is not None:
             g.free_rmbs.remove(rmb_id)
@@ -435,9 +434,9 @@ class SmcrTransport(LlcOutputs):
             g.free_timer = None
         vl = g.links[link_id]
         rmb = g.rmbs[grant.rmb_id]
-        peer_ring_len = outcome.peer_rmbe_size - CDC_HEADER_LEN
+        peer_ring_len = outcome.peer_rmbe_size  # the whole RMBE is ring (the kernel's layout)
         snd_size = buffer_size_for(peer_ring_len)
-        if snd_size - CDC_HEADER_LEN != peer_ring_len:
+        if snd_size != peer_ring_len:
             g.fsm.remove_connection(conn_id)
             raise SmcrTransportError(
                 f"the peer's RMB of {outcome.peer_rmbe_size} bytes is not a size smcd can "

@@ -120,8 +120,8 @@ class SmcrConnection:
         self._app_fds: ChannelFds | None = ChannelFds(
             rmb.dup_fd(),
             sndbuf.dup_fd(),
-            rmb.size,
-            sndbuf.size,
+            rmb.channel_size,
+            sndbuf.channel_size,
             os.dup(self._app_efd),
             os.dup(self._kick_efd),
             theirs.detach(),

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from smc_handoff import layout
 from smc_handoff.channel import Channel
 from smcd_daemon.core.rmb import BufferKind, RmbPool
 from smcd_daemon.transport.smcr_conn import SmcrConnection
@@ -230,5 +231,34 @@ def test_pool_reuses_registered_buffers_zeroed() -> None:
     assert pool.idle == 1 and pool.created == 2 and pool.reused == 1
     with pytest.raises(ValueError):
         pool.acquire(BufferKind.RMB, 1000)
+    pool.close()
+    assert pool.bytes == 0
+
+
+@pytest.mark.parametrize("size", [16384, 1 << 20])
+def test_rmb_advertised_region_is_exactly_the_kernel_rmbe(size: int) -> None:
+    """A kernel peer writes at offsets 0 .. size - 1 of the RMBE it was given: the registered
+    (advertised) region is the whole ring, and the channel's header and wakeup words lie
+    outside it, where a remote write cannot reach them."""
+    pool = RmbPool()
+    reg = FakeRegistrar()
+    buf = pool.acquire(BufferKind.RMB, size)
+    region = pool.register(buf, "p", reg)
+    assert region.length == size == buf.ring_len
+    # a peer's write of the whole RMBE (offset 0 .. size - 1) lands in the ring only
+    region.buf[:] = b"\xa5" * size
+    assert bytes(buf.header.cast("B")) == bytes(32)
+    assert all(w == 0 for w in buf.ctrl)
+    # the application's channel sees exactly this ring (channel size = RMBE + 32)
+    fds_end = os.dup(buf.fd)
+    try:
+        mm = layout.map_dmb(fds_end, buf.channel_size)
+        assert buf.channel_size == size + layout.CDC_HEADER_LEN
+        assert mm[layout.CDC_HEADER_LEN : layout.CDC_HEADER_LEN + size] == b"\xa5" * size
+        assert mm[: layout.CDC_HEADER_LEN] == bytes(32)
+        mm.close()
+    finally:
+        os.close(fds_end)
+    pool.release(buf)
     pool.close()
     assert pool.bytes == 0
