@@ -55,8 +55,10 @@ __all__ = [
     "sendall",
 ]
 
-HANDOFF_THREADS = 8
-"""Handoffs in progress at once per process (each waits for the daemon's CLC exchange)."""
+HANDOFF_THREADS = 32
+"""Handoffs in progress at once per process (each waits for the daemon's CLC exchange; a
+process that is both ends, a proxy or a test, has a client half waiting for its own server
+half, so the pool must hold both). Threads are started as handoffs need them."""
 
 _MAX_SIZE = 64 * 1024
 """Bytes per read (asyncio's socket transport reads 256 KiB). Each read frees its part of the
