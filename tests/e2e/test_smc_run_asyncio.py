@@ -166,16 +166,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("http", ["h11", "httptools"])
 def test_uvicorn_and_aiohttp_keep_alive_on_smcd(
-    programs: Programs, smcd: Smcd, tmp_path: Path
+    programs: Programs, smcd: Smcd, tmp_path: Path, http: str
 ) -> None:
-    """uvicorn serving an ASGI app, an aiohttp client making 300 keep-alive requests of 64 KiB
-    on one connection: both unmodified under smc-run, on SMC-D, every body intact."""
+    """uvicorn serving an ASGI app (with each of its HTTP protocols), an aiohttp client making
+    300 keep-alive requests of 64 KiB on one connection: both unmodified under smc-run, on
+    SMC-D, every body intact."""
     (tmp_path / "asgi_app.py").write_text(ASGI_APP)
     port = _free_port()
     server = programs.start(
         [os.fspath(PYTHON), "-m", "uvicorn", "asgi_app:app", "--port", str(port),
-         "--app-dir", os.fspath(tmp_path), "--no-access-log"]
+         "--app-dir", os.fspath(tmp_path), "--no-access-log", "--http", http]
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while True:  # uvicorn logs readiness on stderr; its port answering is enough here
