@@ -333,9 +333,11 @@ def test_watchdog_restarts_a_frozen_daemon_and_channels_keep_moving(app: App) ->
 
 
 def _memfd_holders() -> list[str]:
+    """Processes other than systemd itself (which keeps BPF programs of its own) holding a
+    memfd or a BPF program."""
     out = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or proc.name == "1":
             continue
         try:
             for fd in (proc / "fd").iterdir():
@@ -347,6 +349,10 @@ def _memfd_holders() -> list[str]:
     return out
 
 
+#: smcd's peer-detection programs (smcd_daemon/adapters/bpf/smc_option.bpf.c).
+SMCD_BPF_PROGRAMS = {"smc_sockops", "smc_setsockopt"}
+
+
 def test_stop_leaves_no_socket_memfd_or_bpf_program() -> None:
     sh("systemctl", "stop", "smcd.socket", "smcd.service")
     assert prop("smcd.service", "ActiveState") in ("inactive", "failed")
@@ -354,6 +360,8 @@ def test_stop_leaves_no_socket_memfd_or_bpf_program() -> None:
     assert not Path("/run/smcd/bus").exists()
     assert run("pgrep", "-f", "/usr/bin/smcd --config").returncode == 1
     assert _memfd_holders() == []
+    loaded = json.loads(sh("bpftool", "-j", "prog", "show") or "[]")
+    assert not [p for p in loaded if p.get("name") in SMCD_BPF_PROGRAMS], loaded
     sh("systemctl", "start", "smcd.socket")
 
 
