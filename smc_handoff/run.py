@@ -37,7 +37,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from smc_handoff import messages
+from smc_handoff import messages, peer_option
 from smc_handoff.handoff import Registration
 from smc_handoff.socket import SmcSocket, accepted
 
@@ -173,11 +173,18 @@ class AutoSocket(SmcSocket):
             )
             print(f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}", file=sys.stderr)
 
+    def _mark(self) -> None:
+        """Ask for SMC's TCP option on the SYN of a socket we will hand off."""
+        if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
+            peer_option.request_option(self)
+
     def connect(self, address: Any) -> None:
+        self._mark()
         super().connect(address)
         self._upgrade_client(address)
 
     def connect_ex(self, address: Any) -> int:
+        self._mark()
         rc = super().connect_ex(address)
         if rc == 0:
             self._upgrade_client(address)

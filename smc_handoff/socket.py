@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from smc_handoff import layout, messages
+from smc_handoff import layout, messages, peer_option
 from smc_handoff.handoff import ChannelState, Registration, clc_at_head, hand_over, reset
 from smc_handoff.messages import Fallback
 
@@ -601,8 +601,9 @@ def connect(
     source_address: tuple[str, int] | None = None,
     dmb_size: int = 0,
 ) -> SmcSocket:
-    """``socket.create_connection`` then :func:`wrap` (client side)."""
-    sock = _socket.create_connection(address, timeout, source_address)
+    """``socket.create_connection`` then :func:`wrap` (client side); the SYN asks for SMC's
+    TCP option when smcd detects peers (:mod:`smc_handoff.peer_option`)."""
+    sock = peer_option.create_connection(address, timeout, source_address)
     return wrap(sock, server_side=False, dmb_size=dmb_size)
 
 

@@ -502,6 +502,7 @@ class Config(_Section):
         "(no host bits set)",
         default=(),
     )
+    peer_detection: StrictBool = _doc("must be true or false", default=False)
     dbus: DbusConfig = _doc("must be a table", default_factory=DbusConfig)
     eid: EidConfig = _doc("must be a table", default_factory=EidConfig)
     buffers: BuffersConfig = _doc("must be a table", default_factory=BuffersConfig)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from smcd_daemon import __version__
 from smcd_daemon.adapters import systemd
+from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.dbus import BUS_NAME, BusError, DbusService, ServiceInfo, connect
 from smcd_daemon.adapters.handoff import HandoffServer
 from smcd_daemon.adapters.netlink import NetlinkWatcher
@@ -339,6 +340,7 @@ class Daemon:
         self.netlink: NetlinkWatcher | None = None
         self.rdma: RdmaWatcher | None = None
         self.handoff: HandoffServer | None = None
+        self.detection = PeerDetection.off()
         self.smcr: SmcrService | None = None
         self.smcr_transport: SmcrTransport | None = None
         self._smcr_failed = False
@@ -422,7 +424,12 @@ class Daemon:
                 log.warning("ignoring inherited socket %s: not the handoff socket", extra)
                 extra.close()
         _raise_fd_limit()
+        # Peer detection (the BPF TCP option), before the handoff socket serves anyone.
+        self.detection = PeerDetection.start(cfg.peer_detection)
+        if self.detection.available:
+            self._spawn(self.detection.housekeeping(), "smcd-peer-detection")
         parts: dict[str, Any] = {
+            "detection": self.detection,
             "config": cfg,
             "registry": self.registry,
             "eids": self.eids,
@@ -450,7 +457,7 @@ class Daemon:
             self.inventory,
             self.pnet,
             self.eids,
-            info=ServiceInfo(capabilities=_capabilities(cfg)),
+            info=ServiceInfo(capabilities=(*_capabilities(cfg), self.detection.status())),
             on_change=self._tables_changed,
         )
         try:
@@ -496,6 +503,7 @@ class Daemon:
         if self.handoff is not None:
             await self.handoff.stop()
             self.handoff = None
+        self.detection.close()  # the programs are detached when smcd stops
         self._close_smcr()
         if self.rdma is not None:
             await self.rdma.stop()
@@ -702,7 +710,8 @@ class Daemon:
             self._smcr_failed = False  # a changed mode may try again to set SMC-R up
         self._configure_smcr()
         if self.service is not None and any(k.startswith("modes.") for k in applied):
-            self.service.set_info(ServiceInfo(capabilities=_capabilities(cfg)))
+            caps = (*_capabilities(cfg), self.detection.status())
+            self.service.set_info(ServiceInfo(capabilities=caps))
         if "eid.ueids" in applied:
             self._apply_config_ueids(old.eid.ueids, cfg.eid.ueids)
             try:

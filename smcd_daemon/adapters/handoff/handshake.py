@@ -207,15 +207,17 @@ class Handshakes:
         srv.deferred.idle_soon()
         return kept
 
-    def _smcr_toward(self, tcp: BorrowedTcp) -> SmcrService | None:
-        """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer is in the
-        configuration's ``peers`` and not reached through loopback, while the provider has a
-        service (modes, an ACTIVE RDMA port)."""
+    def _smcr_toward(self, tcp: BorrowedTcp, *, detected: bool | None = None) -> SmcrService | None:
+        """The SMC-R service if SMC-R is to be tried on ``tcp``: its peer showed the SMC TCP
+        option (``detected``) or is in the configuration's ``peers``, and is not reached
+        through loopback, while the provider has a service (modes, an ACTIVE RDMA port)."""
         srv = self._srv
-        if srv.smcr is None or not srv.cfg.peers:
+        if srv.smcr is None or not (srv.cfg.peers or detected):
             return None
         local, peer = endpoint(tcp.local)[0], endpoint(tcp.peer)[0]
-        if not any(peer.version == net.version and peer in net for net in srv.cfg.peers):
+        if not detected and not any(
+            peer.version == net.version and peer in net for net in srv.cfg.peers
+        ):
             return None
         try:
             service = srv.smcr()
@@ -286,6 +288,21 @@ class Handshakes:
         srv = self._srv
         peer = endpoint(tcp.peer)
         why = self._peer_speaks_smc(peer)
+        detected = srv.detection.peer(tcp.fd)
+        if detected:
+            why = why or "the peer's SYN-ACK carried the SMC TCP option"
+        elif srv.detection.available and not srv.listeners.why_smc(
+            peer[0], peer[1], srv.local_addresses.is_local
+        ):
+            # As the kernel's smc_connect: no option from the peer, no CLC byte. A socket our
+            # SYN did not mark (None) is no better: a detecting peer takes it for plain TCP.
+            detail = (
+                "the peer's SYN-ACK carried no SMC TCP option (RFC 7609): it does not speak SMC"
+                if detected is False
+                else "this socket's SYN carried no SMC TCP option (it was connected before "
+                "smc_handoff could mark it), so a detecting peer takes it for plain TCP"
+            )
+            return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         if why is not None:
             over = srv.admission.over_limit(client.uid, srv.cfg.quota.connections)
             if over is not None:
@@ -296,7 +313,7 @@ class Handshakes:
                     f"uid {client.uid} holds {over[0]} handoff connections; quota.connections "
                     f"allows {over[1]}",
                 )
-            service = self._smcr_toward(tcp)
+            service = self._smcr_toward(tcp, detected=detected)
             if service is not None:
                 log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
                 return await self._run_smcr(client, hint, tcp, service, server=False)
@@ -320,6 +337,10 @@ class Handshakes:
         self, client: Client, hint: int, tcp: BorrowedTcp
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         srv = self._srv
+        detected = srv.detection.peer(tcp.fd)
+        if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
+            detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
+            return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         wait = srv.cfg.timeouts.proposal_wait
         seen = await peek_proposal(tcp, wait)
         if seen.kind != "smc":
@@ -330,7 +351,7 @@ class Handshakes:
                 "eof": "the client closed the connection without proposing SMC",
             }[seen.kind]
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
-        service = self._smcr_toward(tcp)
+        service = self._smcr_toward(tcp, detected=detected)
         if service is not None:
             return await self._run_smcr(client, hint, tcp, service, server=True)
         session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=True)

@@ -66,6 +66,7 @@ class Registrations:
                 raise Refused(m.Error(ErrorCode.BAD_FDS, "the socket is not listening"))
             ip, port, _ = endpoint(sock.getsockname())
             inode = os.fstat(sock.fileno()).st_ino
+            mark = srv.detection.mark_listener(sock, f"{ip} port {port}")  # SYN-ACKs: option
         except (OSError, PairingError) as e:
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(f"bad listener: {e}"))) from None
         finally:
@@ -77,6 +78,7 @@ class Registrations:
                 f"uid {client.uid} holds {over[0]} handoff connections (quota.connections)",
             )
             srv.send(client, reply)
+            srv.detection.discard(mark)
             return False
         cred = client.cred
         conn = srv.registry.add_connection(
@@ -93,6 +95,7 @@ class Registrations:
             )
         )
         lst = srv.listeners.add(ip, port, client.uid, conn.conn_id)
+        srv.detection.keep(lst.ident, mark)
         client.listener = lst
         srv.stats.listeners += 1
         log.info("handoff: %s registered listener %d on %s port %d", client.label, lst.ident,
@@ -103,6 +106,7 @@ class Registrations:
         """The listener's connection hung up."""
         srv = self._srv
         srv.listeners.remove(lst)
+        srv.detection.forget(lst.ident)
         srv.publisher.remove(lst.conn_id)
         log.info("handoff: listener %d on port %d unregistered", lst.ident, lst.port)
 

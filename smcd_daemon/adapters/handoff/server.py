@@ -30,6 +30,7 @@ from typing import Any
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.config import Config
 from smcd_daemon.core.buffers import DmbPool
@@ -93,6 +94,7 @@ class HandoffServer:
         eids: EidTable | None = None,
         loopback_gid: int | None = None,
         smcr: SmcrProvider | None = None,
+        detection: PeerDetection | None = None,
     ) -> None:
         if config is None:
             config = Config.model_validate({})
@@ -116,6 +118,8 @@ class HandoffServer:
         )
         self.hostname = socket.gethostname()
         self.smcr = smcr
+        #: peer detection (the SMC TCP option via BPF); answers None without a detector
+        self.detection = detection if detection is not None else PeerDetection.off()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.admission = Admission()
         self.listeners = ListenerTable()
