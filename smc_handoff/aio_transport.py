@@ -66,18 +66,17 @@ peer's ring at once, so smaller reads let the writer refill behind the reader (t
 for space once half the ring is free) instead of both taking turns on a whole ring."""
 _HIGH = 64 * 1024
 
-LOOP_DMB_SIZE = 256 << 10
-"""The receive buffer an event loop's connection asks smcd for (each end its own; the daemon
-clamps it to ``buffers.min_dmb_size``..``max_dmb_size``), where a blocking one takes the
-daemon's default (64 KiB). A ring the size of a message costs an event loop two extra wakeups
-per message (ring full: wait for room, then for the rest) where a blocking reader spins; a
-64 KiB HTTP response and its headers fit 256 KiB with room for the next. ``$SMC_RUN_DMB_SIZE``
-overrides it (bytes; 0: the daemon's default). :mod:`smc_handoff.aio` uses it too when its
-caller gives no ``dmb_size``."""
+LOOP_DMB_SIZE = 0
+"""The receive buffer an event loop's connection asks smcd for: 0, the daemon's choice
+(``buffers.default_size``, 256 KiB unless configured). An event loop needs rings well above its
+messages: a ring-full costs it two wakeups (wait for room, then for the rest) where a blocking
+reader spins. ``$SMC_RUN_DMB_SIZE`` asks for another size (bytes; the daemon clamps it to
+``buffers.min_dmb_size``..``max_dmb_size``); :mod:`smc_handoff.aio` uses it too when its caller
+gives no ``dmb_size``."""
 
 
 def loop_dmb_size() -> int:
-    """:data:`LOOP_DMB_SIZE`, or ``$SMC_RUN_DMB_SIZE`` when set."""
+    """:data:`LOOP_DMB_SIZE`, or ``$SMC_RUN_DMB_SIZE`` when set to a number."""
     try:
         return int(os.environ.get("SMC_RUN_DMB_SIZE", LOOP_DMB_SIZE))
     except ValueError:

@@ -80,8 +80,8 @@ client side (connect) and the server side (listen/accept), like smc-tools' smc_r
 Without a running smcd the program runs unchanged on plain TCP. asyncio programs are upgraded
 too (asyncio's own event loop; not uvloop, not TLS). Environment: SMCD_HANDOFF_SOCKET (the
 daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for the daemon's answer),
-SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default 262144,
-0 = the daemon's default).
+SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default: the
+daemon's).
 """
 )
 
