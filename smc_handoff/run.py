@@ -173,6 +173,12 @@ class AutoSocket(SmcSocket):
             )
             print(f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}", file=sys.stderr)
 
+    def mark_for_handoff(self) -> None:
+        """Ask for SMC's TCP option on the SYN of a socket an event loop connects without
+        blocking and will then hand off (:mod:`smc_handoff.aio_loop`)."""
+        if self.can_upgrade:
+            peer_option.request_option(self)
+
     def _mark(self) -> None:
         """Ask for SMC's TCP option on the SYN of a socket we will hand off."""
         if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
