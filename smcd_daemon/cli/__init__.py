@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from smcd_daemon import __version__
-from smcd_daemon.cli import bus, offline
+from smcd_daemon.cli import bus, check, offline
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     offline.register(sub)
     bus.register(sub)
+    check.register(sub)
     return parser
 
 

@@ -17,6 +17,7 @@ only this test's processes), with **no** ``peers`` configured.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,10 +98,10 @@ class Host:
     proc: SmcdProcess
     env: dict[str, str]
 
-    def smcctl(self, *args: str) -> str:
+    def smcctl(self, *args: str, check_rc: bool = True) -> str:
         argv = ["ip", "netns", "exec", self.ns, os.fspath(SMCCTL), *args]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=self.env)
-        assert r.returncode == 0, r.stderr
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=self.env)
+        assert r.returncode == 0 or not check_rc, r.stderr
         return r.stdout
 
 
@@ -277,3 +278,25 @@ def test_unavailable_detection_is_reported(bpf_object: Path, cg_seen: Path, net:
         assert "SMC peer detection unavailable" in h.proc.log()
     finally:
         h.proc.stop()
+
+
+def test_smcctl_check_reports_detection(hosts: tuple[Host, Host], net: Net) -> None:
+    """``smcctl check`` from A to ``smcctl check --serve`` on B: our SYN asked for the option,
+    the server's SYN-ACK answered (a Proposal went out without peers) and B declined."""
+    a, b = hosts
+    serve = ["ip", "netns", "exec", b.ns, os.fspath(SMCCTL), "check", "--serve", "47010",
+             "--bind", ADDR_B, "--once"]  # fmt: skip
+    srv = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=b.env)  # fmt: skip
+    try:
+        assert srv.stdout is not None
+        assert "registered with smcd" in srv.stdout.readline()
+        out = json.loads(a.smcctl("check", ADDR_B, "47010", "--json", check_rc=False))
+        assert out["option_requested"] is True, out
+        assert out["mode"] == "tcp" and out["server"]["mode"] == "tcp", out
+        assert out["fallback"]["name"] == "SMC_CLC_DECL_PEERDECL", out
+        assert "peer_diagnosis" in out["fallback"] and out["echo"] == "65536 bytes intact", out
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+        srv.wait()
