@@ -177,7 +177,8 @@ def test_first_handoff_starts_smcd_and_is_served(app: App) -> None:
     assert c["mode"] == "smcd", c
     app.ask(op="echo", id=c["id"], size=200_000)
     assert app.ask(op="server-modes")["modes"] == ["smcd"]
-    assert prop("smcd.service", "ActiveState") == "active"
+    # smcd serves handoffs before it is on the bus; READY=1 (active) follows the bus name.
+    wait_for("smcd.service active", lambda: prop("smcd.service", "ActiveState") == "active")
     assert "inherited (socket activation)" in journal()
 
 
