@@ -21,12 +21,15 @@ $(STAMP): pyproject.toml | deps
 
 venv: deps $(STAMP)
 
+# The layer contract ([tool.importlinter] in pyproject.toml: wire -> protocol -> core -> transport
+# -> adapters -> faces; smc_handoff imports nothing of the daemon) is part of lint.
 lint: venv
 	$(VENV)/bin/ruff check smcd_daemon smc_handoff tests bench
-	$(VENV)/bin/ruff format --check smcd_daemon/wire
+	$(VENV)/bin/ruff format --check smcd_daemon smc_handoff
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
-	$(VENV)/bin/mypy --strict smcd_daemon/wire
+	$(VENV)/bin/mypy --strict smcd_daemon smc_handoff
 
 pytest: venv bpf
 	$(VPY) -m pytest $(PYTEST_ARGS)
