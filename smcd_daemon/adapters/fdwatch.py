@@ -3,9 +3,9 @@ own that the event loop watches as a single descriptor.
 
 Why not ``loop.add_reader``: every handoff registers and removes four readers (the two halves'
 borrowed TCP sockets while they wait for CLC, the two control connections while they hold a
-channel). asyncio's selector bookkeeping makes each add/remove pair cost ~16 µs here against
-~2 µs for the two ``epoll_ctl`` calls themselves, which at a thousand connections a second is
-a twentieth of the daemon's CPU. Readiness is level-triggered, as with ``add_reader``; a
+channel). asyncio's selector bookkeeping costs several times the two ``epoll_ctl`` calls
+themselves, on the path every connection takes (figures in bench/RESULTS.md). Readiness is
+level-triggered, as with ``add_reader``; a
 callback must tolerate a spurious call (it reads with ``MSG_DONTWAIT`` and handles EAGAIN).
 
 The rule ``add_reader`` has holds here too: remove a descriptor *before* closing it. epoll keys
