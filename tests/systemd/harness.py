@@ -43,7 +43,7 @@ GUEST_DIR = REPO / "tests" / "systemd" / "guest"
 GUEST_TESTS = GUEST_DIR / "test_service.py"
 BOOT_SCRIPT = GUEST_DIR / "boot.sh"
 #: Whole run: boot, make install, every check, poweroff (SMCD_SYSTEMD_VM_TIMEOUT overrides).
-DEFAULT_TIMEOUT = 900
+DEFAULT_TIMEOUT = 1200
 
 
 def guest_test_names() -> list[str]:
