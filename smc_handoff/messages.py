@@ -20,7 +20,9 @@ arrive intact, and a process death is seen as a hang-up). Where the client looks
 The first path that accepts a connection is used. The client checks ``SO_PEERCRED``: the daemon
 must run as root or as the client's own uid, otherwise the connection is dropped (another user
 squatting a predictable path must never receive our sockets). The daemon checks ``SO_PEERCRED``
-on every request and applies the per-user limits.
+on every request and applies the per-user limits; a connection past one of them (too many that
+sent no request yet, or held) is answered at once with FALLBACK (before any request) and closed,
+and one that sends no request within the daemon's ``limits.first_request_wait`` is closed.
 
 Connections
 ===========
@@ -88,7 +90,10 @@ descriptor column is the exact ``SCM_RIGHTS`` list, in order; any other count is
     sizes against the quota. The library sends RESUME without waiting: it
     notices the old daemon's hang-up on its control connection when it is about to wait for
     the channel (at most once a second) and reads the reply later. Replies: OK (``ident`` =
-    the new connection id), ERROR.
+    the new connection id), ERROR (DENIED: the daemon verifies a RESUME against what the previous
+    daemon recorded of that channel half — the id, once; the user; the TCP socket itself, by
+    inode and addresses; role and buffer sizes — and counts the half's receive DMB against the
+    user's quota; anything else is refused and recorded nowhere).
 ``SHUTDOWN`` 0x05 — notice: the application called ``shutdown(how)``. No fds, no reply.
     body: ``how u8`` (0 SHUT_RD, 1 SHUT_WR, 2 SHUT_RDWR).
 ``CLOSE`` 0x06 — notice: the application closed the channel (then closes this connection).
@@ -151,6 +156,14 @@ Rules for both ends
   (:data:`FALLBACK_DETACHED`, 0xFF000004).
 - A CHANNEL reply commits both ends: the TCP stream has carried CLC, so there is no way back
   to TCP; descriptors the library cannot use make the socket fail with ECONNRESET.
+- The daemon hands a stream back (FALLBACK) only before the first CLC byte — every refusal for a
+  limit is made there: MAX_DMB past a per-user quota, :data:`FALLBACK_DAEMON_BUSY`
+  (0xFF000005) when the daemon is at its handshake capacity, past the user's fair share of it,
+  or running late — or after a Decline both ends processed (``after_decline``). Once CLC has
+  begun, a handshake that ends where the kernel fails the connection (a CLC timeout: ETIMEDOUT;
+  a protocol violation: EPROTO; the peer's EOF: ECONNRESET) is aborted: the daemon resets the TCP
+  connection and replies FALLBACK without ``after_decline``, which the library reports as an
+  error. A same-host client half proposes only once the server half is in the daemon.
 """
 
 from __future__ import annotations

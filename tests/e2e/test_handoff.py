@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from smc_handoff.messages import FALLBACK_DAEMON_UNAVAILABLE
-from smcd_daemon.wire.reasons import DeclineReason, LegacyDeclineReason
+from smcd_daemon.wire.reasons import DeclineReason
 from tests.e2e.conftest import PROPOSAL_WAIT, Smcd, pair
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,9 +240,10 @@ def test_server_handing_over_after_the_clients_clc_timer_leaves_both_streams_cle
     smcd: Smcd, apps: Any
 ) -> None:
     """The server application hands its accepted socket to smcd only after the client half's
-    CLC timer fired: the client declined (TIMEOUT) and went on over TCP. The server half then
-    finds the client's Decline behind its Proposal and answers nothing: neither application
-    ever reads a CLC byte as data, and both see the fallback."""
+    CLC timer fired. A same-host client half proposes only once its server half is in the
+    daemon (#14), so it fell back without writing a byte (PEERNOSMC, naming the wait) and went
+    on over TCP; the server half then finds the client's data, not a Proposal, and hands the
+    socket back: neither application ever reads a CLC byte as data, and both see the fallback."""
     smcd.reload("clc_wait = 0.5\n")  # inside [timeouts]: the client gives up quickly
     try:
         server, client = apps("server"), apps("client")
@@ -250,12 +251,12 @@ def test_server_handing_over_after_the_clients_clc_timer_leaves_both_streams_cle
         assert listening["registered"], listening
         c = client.call("connect", port=listening["port"])  # nobody hands the server half over
         assert c["mode"] == "tcp", c
-        assert c["fallback"]["code"] == int(LegacyDeclineReason.TIMEOUT), c
+        assert c["fallback"]["code"] == PEERNOSMC, c
+        assert "did not hand its connection to smcd within 0.5 s" in c["fallback"]["explanation"]
         client.call("sendbytes", data="request")  # the client application goes on over TCP
         s = server.call("accept")  # the server application, late: the TCP connection waited
         assert s["mode"] == "tcp", s
-        assert s["fallback"]["code"] == PEERDECL, s  # the client's Decline, taken off the stream
-        assert s["fallback"]["peer_diagnosis"] == int(LegacyDeclineReason.TIMEOUT), s
+        assert s["fallback"]["code"] == PEERNOSMC, s  # the client's data, not a Proposal
         assert server.call("recv", n=7)["data"] == "request"  # no CLC bytes before the data
         server.call("sendbytes", data="reply")
         assert client.call("recv", n=5)["data"] == "reply"  # none toward the client either

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages as m
 from smcd_daemon.core.buffers import UnknownTokenError
+from smcd_daemon.core.channel_ledger import ChannelRecord
 from smcd_daemon.core.handoff_pairs import (
     CloseLink,
     CloseShared,
@@ -49,6 +50,7 @@ from smcd_daemon.wire.clc import HOSTNAME_LEN
 from smcd_daemon.wire.reasons import DeclineReason
 
 from .common import Client, log
+from .gate import warn
 
 if TYPE_CHECKING:
     import asyncio
@@ -143,19 +145,29 @@ class Channels:
             ]  # fmt: skip
         except (SmcError, OSError, KeyError) as e:
             srv.stats.errors += 1
-            log.error("handoff: %s: cannot build the channel: %s", client.label, e)
+            warn.error("no-channel", "handoff: %s: cannot build the channel: %s",
+                                client.label, e)  # fmt: skip
             self.release(half)
             self.drop(key, str(e))
             return FallbackOutcome(int(DeclineReason.INTERR), None, True, f"daemon: {e}")
         client.half = half
         self.halves[conn_id] = half
+        # What a restarted daemon verifies this half's RESUME against (.ledger_io), written
+        # before the reply: a daemon killed right after it must still know the channel.
+        record = ChannelRecord(
+            conn_id, client.uid, role.value.lower(), half.rx_size, half.tx_size, draft["inode"],
+            f"{draft['local_addr']} {draft['local_port']}",
+            f"{draft['peer_addr']} {draft['peer_port']}",
+        )  # fmt: skip
+        srv.journal.append(srv.ledger.add(record))
         reply = m.Channel(conn_id, m.Mode.SMCD, half.rx_size, half.tx_size)
-        sent = srv.send(client, reply, send_fds)  # first: the application waits for it
+        sent = srv.send(client, reply, send_fds)  # then the reply: the application waits for it
         srv.deferred.defer(self._count_channel, half, draft, out)
         # The half has its end of the peer link (or lost it): ours goes now.
         self._apply(self.pairs.hand_out(pair, role))
         srv.observer.start()
         if not sent:
+            srv.journal.append(srv.ledger.drop(conn_id))
             return False  # the end of the client's connection releases the half
         srv.stats.channels += 1
         if log.isEnabledFor(logging.DEBUG):

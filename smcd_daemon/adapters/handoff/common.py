@@ -161,6 +161,8 @@ def reason_name(code: int) -> str:
         return "DAEMON_UNAVAILABLE"
     if code == m.FALLBACK_DAEMON_ERROR:
         return "DAEMON_ERROR"
+    if code == m.FALLBACK_DAEMON_BUSY:
+        return "DAEMON_BUSY"
     return explain(code).name or f"CODE_{code:08X}"
 
 

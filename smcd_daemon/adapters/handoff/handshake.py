@@ -20,9 +20,23 @@ SMC-R
     The service (:mod:`..smcr_service`) runs the whole handshake and adds its own registry
     record; the application gets a channel of mode SMCR whose peer is the daemon itself. An
     error raised by the service is logged and answered with FALLBACK SMC_CLC_DECL_INTERR.
+Admission
+    Before anything is read or written, the handshake is admitted (:mod:`.gate`): a user at their
+    cap of handshakes in flight, past their fair share of a full daemon, or any user while the
+    event loop runs late, gets a FALLBACK (MAX_DMB or DAEMON_BUSY) with the stream untouched.
+Same-host pairs
+    Toward a listener registered here the client half proposes only once the server half is in
+    the daemon (:mod:`.arrivals`); otherwise it falls back before any CLC byte.
 FALLBACK
     With the negotiator's reason (kernel codes; PEERDECL plus the peer's diagnosis when the peer
-    declined). Past a quota: SMC_CLC_DECL_MAX_DMB.
+    declined). Past a quota: SMC_CLC_DECL_MAX_DMB, with the user's usage and the quota keys.
+Abort
+    Once CLC has begun, a handshake that ends where the kernel would fail the connection (a CLC
+    timeout, a protocol violation, the peer's EOF: :attr:`FallbackOutcome.kernel_errno`) is not
+    handed back: its TCP connection is reset before the FALLBACK (flagged not
+    ``after_decline``), so the library reports an error and a late Accept or Decline of the peer
+    can never be read as data. Only a fallback before any CLC byte, or after a Decline both
+    ends processed, leaves the stream to the application.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
+from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
 from smcd_daemon.core.handoff_pairs import IpAddress, PairKey
@@ -51,8 +66,10 @@ from smcd_daemon.transport.loopback import Endpoint, PairingError, endpoint
 from smcd_daemon.wire.cursor import Cursor
 from smcd_daemon.wire.reasons import DeclineReason
 
+from .arrivals import Arrivals
 from .channels import Draft
 from .common import Client, Refused, clip, fallback_message, log, reason_name
+from .gate import fallback_for, warn
 
 if TYPE_CHECKING:
     from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
@@ -67,6 +84,7 @@ None; the daemon builds the service on first use."""
 
 _NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
 """What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
+_MAX_DMB = int(DeclineReason.MAX_DMB)
 _ZERO = Cursor()
 _ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
 """Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
@@ -92,6 +110,7 @@ class Handshakes:
         self._srv = server
         self._facts_cache: dict[tuple[int, bool], NegotiationFacts] = {}
         self._ip_texts: dict[int, tuple[object, str, bool]] = {}
+        self.arrivals = Arrivals()
 
     def reconfigure(self) -> None:
         """A reloaded configuration: what we offer is built anew."""
@@ -121,17 +140,18 @@ class Handshakes:
         self._facts_cache[key] = facts
         return facts
 
-    def _peer_speaks_smc(self, peer: Endpoint) -> str | None:
-        """Why we may try SMC toward ``peer`` (None: we may not)."""
+    def _peer_speaks_smc(self, peer: Endpoint) -> tuple[str | None, bool]:
+        """Why we may try SMC toward ``peer`` (None: we may not), and whether that is a
+        listener registered here (its server half is ours: :mod:`.arrivals`)."""
         srv = self._srv
         ip, port, _ = peer
         why = srv.listeners.why_smc(ip, port, srv.local_addresses.is_local)
         if why is not None:
-            return why
+            return why, True
         for net in srv.cfg.peers:
             if ip.version == net.version and ip in net:
-                return f"configured peer network {net}"
-        return None
+                return f"configured peer network {net}", False
+        return None, False
 
     def _ip_text(self, ip: IpAddress) -> tuple[str, bool]:
         """``(str(ip), ip.is_loopback)``, remembered per address object (endpoints share them;
@@ -173,34 +193,60 @@ class Handshakes:
             tcp = BorrowedTcp(fd)
         except BorrowedTcpError as e:
             srv.stats.invalid += 1
-            log.warning("handoff: %s from %s: %s", req.TYPE.name, client.label, e)
+            warn.warning("bad-tcp", "handoff: %s from %s: %s", req.TYPE.name, client.label, e)
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
         try:
             draft = self._new_connection(client, role, tcp)
         except PairingError as e:
             tcp.close()
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
-        srv.admission.inflight += 1
-        try:
-            if role is ConnRole.CLIENT:
-                outcome = await self._run_client(client, req.dmb_size, tcp)
-            else:
-                outcome = await self._run_server(client, req.dmb_size, tcp)
-        except BaseException:
-            tcp.close()
-            raise
-        finally:
-            srv.admission.inflight -= 1
         key: PairKey = (endpoint(tcp.local), endpoint(tcp.peer))
         if role is ConnRole.SERVER:
             key = (key[1], key[0])
+        assert srv.loop is not None
+        denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
+        if denied is not None:  # before any CLC byte: the stream is the application's
+            tcp.close()
+            if role is ConnRole.SERVER:
+                self.arrivals.server_gone(key, fell_back=True, why=denied.detail)
+            warn.info(f"busy-{denied.refusal.name.lower()}", "handoff: %s: %s refused: %s",
+                      client.label, req.TYPE.name, denied.detail)  # fmt: skip
+            fb = fallback_for(denied)
+            return self.reply_fallback(client, draft, FallbackOutcome(fb.code, None, True,
+                                                                      denied.detail))  # fmt: skip
+        try:
+            if role is ConnRole.CLIENT:
+                outcome = await self._run_client(client, req.dmb_size, tcp, key)
+            else:
+                self.arrivals.server_in(key)
+                outcome = await self._run_server(client, req.dmb_size, tcp, key)
+        except BaseException:
+            tcp.close()
+            if role is ConnRole.SERVER:
+                self.arrivals.server_gone(key, fell_back=False)
+            raise
+        finally:
+            srv.admission.end_handshake(client.uid)
+        aborted = False
+        if isinstance(outcome, FallbackOutcome) and _must_abort(outcome):
+            # CLC began and the kernel would fail the connection here: reset it, so neither
+            # application can read what is left of CLC as data (see the module docstring).
+            reset_tcp(tcp.sock)
+            aborted = True
+        if role is ConnRole.SERVER:
+            clean = (
+                isinstance(outcome, FallbackOutcome)
+                and outcome.local
+                and not (outcome.declined or aborted or outcome.peer_diagnosis is not None)
+            )
+            self.arrivals.server_gone(key, fell_back=clean, why=_why(outcome))
         tcp.close()  # every copy of the borrowed descriptor is gone before we reply
         # The one place where the negotiated outcome picks the transport of the reply.
         if not isinstance(outcome, FallbackOutcome | SmcdLoopbackOutcome):
             return self._reply_smcr(client, outcome)
         if isinstance(outcome, FallbackOutcome):
             srv.channels.drop(key, "the other half fell back")
-            kept = self.reply_fallback(client, draft, outcome)
+            kept = self.reply_fallback(client, draft, outcome, aborted=aborted)
         else:  # SMC-D, loopback-ism
             done = srv.channels.reply(client, draft, role, key, outcome)
             kept = done if isinstance(done, bool) else self.reply_fallback(client, draft, done)
@@ -226,9 +272,11 @@ class Handshakes:
             ):
                 return None
             return service
-        except Exception:
+        except Exception as e:
             srv.stats.errors += 1
-            log.exception("handoff: the SMC-R service is unavailable; using SMC-D/TCP")
+            warn.error("smcr-unavailable", "handoff: the SMC-R service is unavailable; using "
+                       "SMC-D/TCP: %s: %s", type(e).__name__, e)  # fmt: skip
+            log.debug("handoff: the SMC-R service's error", exc_info=e)
             return None
 
     def _why_no_smcr(self, tcp: BorrowedTcp) -> str:
@@ -261,8 +309,10 @@ class Handshakes:
             raise
         except Exception as e:
             self._srv.stats.errors += 1
-            log.exception("handoff: SMC-R %s with %s failed", "accept" if server else "connect",
-                          tcp.peer)  # fmt: skip
+            what = "accept" if server else "connect"
+            warn.error("smcr-failed", "handoff: SMC-R %s with %s failed: %s: %s", what, tcp.peer,
+                       type(e).__name__, e)  # fmt: skip
+            log.debug("handoff: the SMC-R handshake's error", exc_info=e)
             return FallbackOutcome(int(DeclineReason.INTERR), None, True, clip(f"daemon: {e}"))
 
     def _reply_smcr(self, client: Client, out: SmcrChannel) -> bool:
@@ -283,11 +333,11 @@ class Handshakes:
         return True
 
     async def _run_client(
-        self, client: Client, hint: int, tcp: BorrowedTcp
+        self, client: Client, hint: int, tcp: BorrowedTcp, key: PairKey
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         srv = self._srv
         peer = endpoint(tcp.peer)
-        why = self._peer_speaks_smc(peer)
+        why, ours = self._peer_speaks_smc(peer)
         detected = srv.detection.peer(tcp.fd)
         if detected:
             why = why or "the peer's SYN-ACK carried the SMC TCP option"
@@ -304,19 +354,14 @@ class Handshakes:
             )
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         if why is not None:
-            over = srv.admission.over_limit(client.uid, srv.cfg.quota.connections)
-            if over is not None:
-                return FallbackOutcome(
-                    int(DeclineReason.MAX_DMB),
-                    None,
-                    True,
-                    f"uid {client.uid} holds {over[0]} handoff connections; quota.connections "
-                    f"allows {over[1]}",
-                )
             service = self._smcr_toward(tcp, detected=detected)
             if service is not None:
                 log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
                 return await self._run_smcr(client, hint, tcp, service, server=False)
+        if ours:  # a same-host pair: propose only once the server half is here
+            not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
+            if not_yet is not None:
+                return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
         session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=False)
         facts = self._facts(hint, peer_speaks_smc=why is not None)
         if why is not None:
@@ -324,7 +369,7 @@ class Handshakes:
             try:
                 srv.loopback.pairing.register_client(tcp.local, tcp.peer)
             except PairingError as e:
-                log.warning("handoff: %s; offering no device", e)
+                warn.warning("pairing", "handoff: %s; offering no device", e)
                 facts = dataclasses.replace(facts, loopback=None)
         negotiation = ClientNegotiation(facts, session)
         try:
@@ -334,7 +379,7 @@ class Handshakes:
                 srv.loopback.pairing.withdraw(tcp.local, tcp.peer)
 
     async def _run_server(
-        self, client: Client, hint: int, tcp: BorrowedTcp
+        self, client: Client, hint: int, tcp: BorrowedTcp, key: PairKey
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         srv = self._srv
         detected = srv.detection.peer(tcp.fd)
@@ -343,6 +388,9 @@ class Handshakes:
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         wait = srv.cfg.timeouts.proposal_wait
         seen = await peek_proposal(tcp, wait)
+        if seen.kind == "silent" and self.arrivals.proposed(key):
+            # our client half is proposing right now (it saw us here): wait for it
+            seen = await peek_proposal(tcp, srv.cfg.timeouts.clc_wait)
         if seen.kind != "smc":
             detail = {
                 "not-smc": "the client's first bytes are not a CLC Proposal: a plain TCP client",
@@ -362,16 +410,25 @@ class Handshakes:
             out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
         return out
 
-    def reply_fallback(self, client: Client, draft: Draft, outcome: FallbackOutcome) -> bool:
-        """FALLBACK: the application keeps its TCP socket. The record stays visible for
-        :data:`~.publisher.FALLBACK_LINGER` seconds (the daemon cannot see it closed)."""
+    def reply_fallback(
+        self, client: Client, draft: Draft, outcome: FallbackOutcome, *, aborted: bool = False
+    ) -> bool:
+        """FALLBACK: the application keeps its TCP socket (``aborted``: the daemon reset it; the
+        library sees the stream touched without a Decline and reports an error). The record
+        stays visible for :data:`~.publisher.FALLBACK_LINGER` seconds (the daemon cannot see it
+        closed)."""
         srv = self._srv
         srv.stats.fallbacks += 1
         code = outcome.reason
         # The reply first (the application waits for it), the bookkeeping after.
         crossed = outcome.declined or outcome.peer_diagnosis is not None  # a Decline ended CLC
         diag = outcome.peer_diagnosis
-        reply = fallback_message(code, outcome.detail, diag, after_decline=crossed)
+        detail = outcome.detail
+        if _MAX_DMB in (code, diag) and "quota." not in detail:
+            detail = f"{detail}; {self._quota_text(client.uid)}"
+        if aborted:
+            detail = f"{detail}; the connection was reset, as the kernel fails it once CLC began"
+        reply = fallback_message(code, detail, diag, after_decline=crossed and not aborted)
         srv.send(client, reply)
         conn = Connection(
             **draft,
@@ -388,6 +445,28 @@ class Handshakes:
             reason_name(code),
             code,
             "" if outcome.peer_diagnosis is None else f", peer 0x{outcome.peer_diagnosis:08x}",
-            outcome.detail,
+            detail,
         )
         return False
+
+    def _quota_text(self, uid: int) -> str:
+        """This user's DMB usage against its quota, for a MAX_DMB fallback's explanation (the
+        decline itself only says MAX_DMB; a loopback peer's is our own pool's)."""
+        srv = self._srv
+        use = srv.pool.user_usage(uid)
+        quota = srv.cfg.quota
+        return (
+            f"here uid {uid} holds {use.buffers} DMBs of {use.bytes >> 10} KiB "
+            f"(quota.connections allows {quota.connections or 'any number'}, "
+            f"quota.buffer_bytes {quota.buffer_bytes >> 10 if quota.buffer_bytes else 'any'} KiB)"
+        )
+
+
+def _must_abort(outcome: FallbackOutcome) -> bool:
+    """Did CLC begin and end where the kernel fails the connection (not in a Decline from the
+    peer, whose stream both ends then processed)?"""
+    return outcome.kernel_errno is not None and outcome.peer_diagnosis is None
+
+
+def _why(outcome: object) -> str:
+    return outcome.detail if isinstance(outcome, FallbackOutcome) else "it went SMC"

@@ -6,6 +6,15 @@ own, for as long as the pool keeps the memfd (a memfd serves many connections, a
 unmapping per connection was a measurable part of every handoff). The header is read as the
 channel writes it (:mod:`smc_handoff.layout`): whole aligned 8-byte words, so a cursor never
 tears; an idle connection costs the refresh one comparison of those words.
+
+Cursors that cannot be (:mod:`smcd_daemon.core.ring_check`: a consumer ahead of its producer, a
+producer more than a ring ahead, a count outside the ring) mean an application broke the
+stream; the observer aborts the connection with that reason: it sets the abort flag
+(``PEER_CONN_ABORT``) in both headers' connection-state byte, through a writable mapping of the
+pool's memfds, so both applications fail with ECONNRESET at their next call or nap (at most a
+second), and records the connection as aborted. The flag shares its word with a cursor the
+application writes; should that application store over it, the observer sets it again at its
+next refresh.
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 from smc_handoff import layout
 from smcd_daemon.core.handoff_pairs import Half
 from smcd_daemon.core.registry import ConnState, SmcType
+from smcd_daemon.core.ring_check import Fault, check_reads
 from smcd_daemon.wire.cdc import CDC_MSG_TYPE, SMCD_CDC_HEADER_LEN, ConnStateFlag
 from smcd_daemon.wire.cursor import Cursor
 
 from .common import log
+from .gate import warn
 
 if TYPE_CHECKING:
     from .server import HandoffServer
@@ -36,6 +47,7 @@ REFRESH_INTERVAL = 0.5
 _HEADER_WORDS = layout.CDC_HEADER_LEN // 8
 _ABORT = int(ConnStateFlag.PEER_CONN_ABORT)
 _CLOSING = int(ConnStateFlag.PEER_CONN_CLOSED | ConnStateFlag.PEER_DONE_WRITING)
+_ABORT_BIT = _ABORT << layout.CSFLAGS_SHIFT
 
 Words = tuple[int, ...]
 Header = tuple[tuple[int, int], tuple[int, int], int]
@@ -102,6 +114,35 @@ def read_header(words: Words) -> Header | None:
     return (pw, pc), (cw, cc), csflags
 
 
+def cursor_fault(rx_size: int, tx_size: int, rx: Header, tx: Header, again: Header) -> Fault | None:
+    """Check both directions of a half from its receive header (``rx``), its send header
+    (``tx``) and the receive header read again after that (``again``), each check with the
+    readings in the order that cannot give a false alarm (:mod:`smcd_daemon.core.ring_check`)."""
+    hdr = SMCD_CDC_HEADER_LEN
+    receive = check_reads("receive", (tx[1], again[0]), (rx[0], tx[1]), rx_size - hdr)
+    if receive is not None:
+        return receive
+    return check_reads("send", (rx[1], tx[0]), (tx[0], again[1]), tx_size - hdr)
+
+
+def store_abort(fd: int) -> None:
+    """Set ``PEER_CONN_ABORT`` in the header of the DMB memfd ``fd`` (one 8-byte store of the
+    consumer-cursor word with the flag added, through a writable mapping made for it)."""
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    addr = _libc.mmap(None, mmap.PAGESIZE, prot, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping a DMB header for writing: {os.strerror(err)}")
+    try:
+        word = ctypes.c_uint64.from_address(addr + 8 * layout.W_CONS)
+        word.value = word.value | _ABORT_BIT
+    finally:
+        _libc.munmap(addr, mmap.PAGESIZE)
+
+
 def advance(ring: int, old: tuple[int, int], new: tuple[int, int]) -> int:
     """Bytes from cursor ``old`` (wrap, count) to ``new`` in a ring of ``ring`` bytes, any
     number of wraps apart (the refresh runs often enough that the 16-bit wrap counter cannot
@@ -118,6 +159,8 @@ class DmbObserver:
         self._srv = server
         self._views: dict[int, DmbView] = {}
         self._task: asyncio.Task[None] | None = None
+        self.aborted: set[int] = set()
+        """Connection ids aborted for impossible cursors (while their halves live)."""
 
     def view(self, fd: int) -> DmbView:
         """The header view of the pool memfd ``fd``, mapped on first use (the refresh or the
@@ -160,11 +203,15 @@ class DmbObserver:
 
     def refresh(self) -> None:
         """Bring cursors and byte counts of every live SMC connection up to date."""
-        for half in list(self._srv.channels.halves.values()):
+        halves = self._srv.channels.halves
+        for half in list(halves.values()):
             try:
                 self.refresh_half(half)
-            except Exception:
-                log.exception("handoff: reading the cursors of connection %d failed", half.conn_id)
+            except Exception as e:
+                warn.error("cursors", "handoff: reading the cursors of connection %d failed: "
+                           "%s: %s", half.conn_id, type(e).__name__, e)  # fmt: skip
+        if self.aborted:
+            self.aborted.intersection_update(halves)
 
     def refresh_half(self, half: Half, *, publish: bool = True) -> None:
         """Read both CDC headers of ``half``: counters always, the record if ``publish``."""
@@ -174,10 +221,12 @@ class DmbObserver:
             return  # released (or a resumed record: no DMBs of ours)
         try:
             mem = srv.channels.memfds(pair)
-            words = (self.view(mem[half.local_token]).words(),
-                     self.view(mem[half.peer_token]).words())  # fmt: skip
+            rx_fd, tx_fd = mem[half.local_token], mem[half.peer_token]
+            rx_view = self.view(rx_fd)
+            words = (rx_view.words(), self.view(tx_fd).words())
         except (OSError, KeyError) as e:
-            log.warning("handoff: connection %d: cannot read its DMB headers: %s", half.conn_id, e)
+            warn.warning("dmb-headers", "handoff: connection %d: cannot read its DMB headers: %s",
+                         half.conn_id, e)  # fmt: skip
             return
         if words == half.seen:
             return  # nothing moved since the last refresh (an idle connection costs no more)
@@ -187,6 +236,14 @@ class DmbObserver:
         half.seen = words
         rx_hdr = read_header(words[0])  # written by the peer: its producer/consumer cursor
         tx_hdr = read_header(words[1])  # written by this half into the peer's DMB
+        if rx_hdr is not None and tx_hdr is not None:
+            again = read_header(rx_view.words())
+            fault = None
+            if again is not None:
+                fault = cursor_fault(half.rx_size, half.tx_size, rx_hdr, tx_hdr, again)
+            if fault is not None or half.conn_id in self.aborted:
+                self._abort(half, (rx_fd, tx_fd), fault)
+                return
         changes: dict[str, Any] = {}
         if rx_hdr is not None and publish:
             prod, cons, flags = rx_hdr
@@ -212,3 +269,19 @@ class DmbObserver:
             srv.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
         if changes and publish:
             srv.publisher.update(half.conn_id, **changes)
+
+    def _abort(self, half: Half, fds: tuple[int, int], fault: Fault | None) -> None:
+        """Abort ``half``'s connection for impossible cursors (again, when an application
+        stored over the flag: ``fault`` is then None)."""
+        for fd in fds:
+            try:
+                store_abort(fd)
+            except OSError as e:
+                warn.warning("abort-failed", "handoff: connection %d: cannot set the abort "
+                             "flag: %s", half.conn_id, e)  # fmt: skip
+        half.seen = None  # look again at the next refresh: the flag must stay set
+        if half.conn_id in self.aborted:
+            return
+        self.aborted.add(half.conn_id)
+        warn.warning("cursor-fault", "handoff: connection %d aborted: %s", half.conn_id, fault)
+        self._srv.publisher.update(half.conn_id, state=ConnState.PROCESSABORT)

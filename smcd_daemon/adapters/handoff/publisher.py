@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from smcd_daemon.core.registry import Connection, ConnMode, RegistryError
 
 from .common import log
+from .gate import warn
 
 if TYPE_CHECKING:
     import asyncio
@@ -99,9 +100,12 @@ class Deferred:
             for fn, args in work:
                 try:
                     fn(*args)
-                except Exception:
+                except Exception as e:
                     self._srv.stats.errors += 1
-                    log.exception("handoff: deferred %s failed", getattr(fn, "__name__", fn))
+                    name = getattr(fn, "__name__", fn)
+                    warn.error("deferred", "handoff: deferred %s failed: %s: %s", name,
+                               type(e).__name__, e)  # fmt: skip
+                    log.debug("handoff: the deferred error", exc_info=e)
         return ran
 
     def idle_soon(self) -> None:
@@ -174,7 +178,7 @@ class Publisher:
             try:
                 registry.add_connection(conn)
             except RegistryError as e:
-                log.warning("handoff: registry: %s", e)
+                warn.warning("registry", "handoff: registry: %s", e)
 
     def connection(self, conn_id: int) -> Connection | None:
         conn = self._unpublished.get(conn_id)

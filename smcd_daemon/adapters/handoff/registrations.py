@@ -8,7 +8,10 @@ RESUME
     After a daemon restart the library re-registers a live channel: the daemon records it again
     (addresses from the TCP socket, byte counts from the library; it holds no copy of the DMBs,
     so no cursors) in the link group of its loopback-ism device, so ``smcctl`` shows it until
-    the hang-up; the channel itself never depended on the daemon.
+    the hang-up; the channel itself never depended on the daemon. Only what the previous daemon
+    recorded resumes (:mod:`smcd_daemon.core.channel_ledger`: the id once, the user, the very
+    TCP socket, role and buffer sizes), and the half's receive DMB counts against its user's
+    quota again; anything else is refused with ERROR DENIED and recorded nowhere.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
+from smcd_daemon.core.buffers import DmbLimitError
+from smcd_daemon.core.channel_ledger import Forged, ResumeClaim
 from smcd_daemon.core.handoff_pairs import Half, Listener
 from smcd_daemon.core.registry import (
     Connection,
@@ -31,9 +36,10 @@ from smcd_daemon.core.registry import (
 )
 from smcd_daemon.transport.loopback import PairingError, endpoint
 from smcd_daemon.wire.clc import HOSTNAME_LEN
-from smcd_daemon.wire.reasons import DeclineReason
 
-from .common import Client, Refused, clip, fallback_message, log
+from .common import Client, Refused, clip, log
+from .gate import warn
+from .ledger_io import resume_evidence
 
 if TYPE_CHECKING:
     from .server import HandoffServer
@@ -71,15 +77,6 @@ class Registrations:
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(f"bad listener: {e}"))) from None
         finally:
             sock.close()  # the daemon keeps no copy
-        over = srv.admission.over_limit(client.uid, srv.cfg.quota.connections)
-        if over is not None:
-            reply = fallback_message(
-                int(DeclineReason.MAX_DMB),
-                f"uid {client.uid} holds {over[0]} handoff connections (quota.connections)",
-            )
-            srv.send(client, reply)
-            srv.detection.discard(mark)
-            return False
         cred = client.cred
         conn = srv.registry.add_connection(
             Connection(
@@ -135,18 +132,32 @@ class Registrations:
             m.close_fds(fds)
             raise Refused(m.Error(ErrorCode.BAD_FDS, f"not a socket: {e.strerror or e}")) from None
         try:
-            if sock.type != socket.SOCK_STREAM:
-                raise OSError("not a stream socket")
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
+                raise OSError("not a TCP socket")
             local, peer = endpoint(sock.getsockname()), endpoint(sock.getpeername())
-            inode = os.fstat(sock.fileno()).st_ino
+            seen = resume_evidence(sock, client.uid)
         except (OSError, PairingError) as e:
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(f"RESUME: {e}"))) from None
         finally:
             sock.close()  # the daemon keeps no copy
         role = ConnRole.CLIENT if req.role is m.Role.CLIENT else ConnRole.SERVER
+        claim = ResumeClaim(req.conn_id, role.value.lower(), True, req.rx_size, req.tx_size)
+        conn_id = srv.registry.allocate_conn_id()
+        record = srv.ledger.verify(claim, seen, conn_id)
+        if isinstance(record, Forged):
+            warn.warning("resume-refused", "handoff: %s: RESUME of connection %d refused: %s",
+                         client.label, req.conn_id, record.value)  # fmt: skip
+            raise Refused(m.Error(ErrorCode.DENIED, f"RESUME refused: {record.value}"))
+        try:
+            srv.pool.charge(client.uid, req.rx_size)
+        except DmbLimitError as e:
+            raise Refused(m.Error(ErrorCode.DENIED, clip(f"RESUME refused: {e}"))) from None
+        inode = seen.inode
         lgr_id = self._loopback_lgr()
         cred = client.cred
-        conn_id = srv.registry.allocate_conn_id()
         srv.registry.add_connection(
             Connection(
                 conn_id=conn_id,
@@ -171,6 +182,7 @@ class Registrations:
             )
         )
         client.half = Half(conn_id, role, client.uid, None, None, req.rx_size, req.tx_size)
+        srv.journal.append(srv.ledger.add(record, replaces=req.conn_id))
         srv.stats.resumes += 1
         log.info("handoff: %s resumed connection %d as %d", client.label, req.conn_id, conn_id)
         return srv.send(client, m.Ok(conn_id))

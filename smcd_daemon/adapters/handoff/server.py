@@ -33,9 +33,10 @@ from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.config import Config
+from smcd_daemon.core.admission import MAX_CONNECTIONS
 from smcd_daemon.core.buffers import DmbPool
+from smcd_daemon.core.channel_ledger import ChannelLedger
 from smcd_daemon.core.eid import EidTable
-from smcd_daemon.core.handoff_admission import Admission
 from smcd_daemon.core.handoff_pairs import ListenerTable
 from smcd_daemon.core.registry import Registry
 from smcd_daemon.transport.loopback import LinkGroupTable, LoopbackIsm
@@ -51,16 +52,22 @@ from .common import (
     log,
     peer_cred,
 )
+from .gate import Gate, warn
 from .handshake import Handshakes, SmcrProvider
+from .ledger_io import Journal, journal_path
 from .observer import DmbObserver
 from .publisher import Deferred, Publisher
 from .registrations import Registrations
 
 __all__ = ["MAX_CLIENTS", "HandoffServer"]
 
-MAX_CLIENTS = 16384
-"""Handoff connections served at once (each SMC connection holds one per half); more are closed
-right after accept (and counted). The daemon raises its descriptor limit to match."""
+MAX_CLIENTS = MAX_CONNECTIONS
+"""Handoff connections served at once, all users together (each SMC connection holds one per
+half); past half of it they are shared fairly between users (:mod:`.gate`). The daemon raises
+its descriptor limit to match."""
+ACCEPT_PAUSE = 0.1
+"""Seconds accepting pauses when the daemon is out of descriptors (the listening socket stays
+readable: without a pause the loop would spin on it)."""
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -81,7 +88,9 @@ class HandoffServer:
     The parts, each with its own module: :attr:`handshakes` (CONNECT/ACCEPT), :attr:`channels`
     (SMC-D pairs and halves), :attr:`registrations` (LISTEN/RESUME), :attr:`observer` (DMB
     headers), :attr:`publisher` and :attr:`deferred` (registry and bookkeeping off the hot path),
-    :attr:`admission` (per-user counts).
+    :attr:`gate` (per-user limits, fair shares, overload; its :attr:`admission` holds the
+    counts), :attr:`ledger` and :attr:`journal` (the channel halves a restarted daemon verifies
+    RESUME against).
     """
 
     def __init__(
@@ -121,7 +130,10 @@ class HandoffServer:
         #: peer detection (the SMC TCP option via BPF); answers None without a detector
         self.detection = detection if detection is not None else PeerDetection.off()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.admission = Admission()
+        self.gate = Gate(self)
+        self.admission = self.gate.admission
+        self.ledger = ChannelLedger()
+        self.journal = Journal(journal_path(self.path), self.ledger)
         self.listeners = ListenerTable()
         self.local_addresses = LocalAddresses()
         self.deferred = Deferred(self)
@@ -143,6 +155,7 @@ class HandoffServer:
         """A reloaded configuration: quotas, timeouts, modes and peers apply to new handshakes."""
         self.cfg = config
         self.handshakes.reconfigure()
+        self.gate.configure()
         self.pool.user_max_bytes = config.quota.buffer_bytes
         self.pool.user_max_buffers = config.quota.connections
         self.pool.pool_max_bytes = config.buffers.pool_max_bytes
@@ -162,6 +175,7 @@ class HandoffServer:
         self.loop = asyncio.get_running_loop()
         self._sock.setblocking(False)
         self.loop.add_reader(self._sock.fileno(), self._on_accept)
+        self.gate.start(self.loop)
 
     async def stop(self) -> None:
         if self._stopped:
@@ -171,6 +185,7 @@ class HandoffServer:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self._sock.fileno())
         self.observer.stop()
+        self.gate.stop()
         for client in list(self._clients):
             if client.task is not None:
                 client.task.cancel()
@@ -185,6 +200,7 @@ class HandoffServer:
         self.channels.close()
         self.publisher.close()
         self.pool.close()
+        self.journal.remove()  # only when no channel half is left to resume
         if self.owns_path and self.path is not None:
             # Only our own file: a daemon started meanwhile may have replaced a path it found
             # stale (e.g. after we were stopped and it started before we finished).
@@ -202,27 +218,48 @@ class HandoffServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                # EMFILE/ENFILE/ENOBUFS: keep listening; the client sees its connect fail.
+                # EMFILE/ENFILE/ENOBUFS: the connection waits in the backlog; pause accepting
+                # (the socket stays readable: the loop would spin) and try again shortly.
                 self.stats.errors += 1
-                log.warning("handoff: accept failed: %s", e)
+                warn.warning("accept-failed", "handoff: accept failed: %s; pausing %g s", e,
+                             ACCEPT_PAUSE)  # fmt: skip
+                self._pause_accepting()
                 return
             self._serve(conn)
 
+    def _pause_accepting(self) -> None:
+        loop = self.loop
+        if loop is None or self._stopped:
+            return
+        with contextlib.suppress(Exception):
+            loop.remove_reader(self._sock.fileno())
+
+        def resume() -> None:
+            if not self._stopped:
+                loop.add_reader(self._sock.fileno(), self._on_accept)
+
+        loop.call_later(ACCEPT_PAUSE, resume)
+
     def _serve(self, conn: socket.socket) -> None:
         self.stats.connections += 1
-        if len(self._clients) >= MAX_CLIENTS:
-            self.stats.refused_connections += 1
-            log.warning("handoff: %d clients already connected; refusing one more", MAX_CLIENTS)
-            conn.close()
-            return
+        cred = peer_cred(conn)
+        if not self.gate.admit(conn, cred):
+            return  # answered with a FALLBACK and closed: at a limit (see .gate)
         conn.setblocking(False)
-        client = Client(conn, peer_cred(conn))
+        client = Client(conn, cred)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("handoff: connection from %s", client.label)
         self._clients.add(client)
-        self.admission.hold(client.uid)
         assert self.loop is not None
+        self.gate.served(client, self.loop.time())
         client.task = self.loop.create_task(self._client_loop(client), name="smcd-handoff")
+
+    def expire(self, client: Client) -> None:
+        """``client`` sent no request in time (:mod:`.gate`): end its connection."""
+        if client.task is not None and not client.task.done():
+            client.task.cancel()  # its finally ends the connection
+        else:
+            self.end_client(client)
 
     # -- one client ---------------------------------------------------------------------------
 
@@ -240,7 +277,7 @@ class HandoffServer:
         """An invalid datagram (its descriptors are already closed): counted, logged, and the
         ERROR to answer it with."""
         self.stats.invalid += 1
-        log.warning("handoff: invalid request from %s: %s", client.label, e)
+        warn.warning("invalid-request", "handoff: invalid request from %s: %s", client.label, e)
         return m.Error(e.code, clip(str(e)))
 
     async def _receive(self, client: Client) -> tuple[m.Request, list[int]] | None:
@@ -257,7 +294,7 @@ class HandoffServer:
             except m.HandoffProtocolError as e:
                 raise Refused(self._invalid(client, e)) from None
             except OSError as e:
-                log.info("handoff: %s: connection failed: %s", client.label, e)
+                warn.info("conn-failed", "handoff: %s: connection failed: %s", client.label, e)
                 return None
             self.stats.requests += 1
             return msg, fds  # type: ignore[return-value]
@@ -268,10 +305,11 @@ class HandoffServer:
             m.send_message(client.sock, reply, list(fds))
         except (BlockingIOError, InterruptedError):
             self.stats.errors += 1
-            log.warning("handoff: %s does not read its replies; closing", client.label)
+            warn.warning("no-reader", "handoff: %s does not read its replies; closing",
+                         client.label)  # fmt: skip
             return False
         except OSError as e:
-            log.info("handoff: %s went away before the reply: %s", client.label, e)
+            warn.info("gone", "handoff: %s went away before the reply: %s", client.label, e)
             return False
         return True
 
@@ -284,6 +322,7 @@ class HandoffServer:
             first = await self._receive(client)
             if first is None:
                 return
+            self.gate.first_request(client)
             msg, fds = first
             if isinstance(msg, m.Connect | m.Accept):
                 keep = await self.handshakes.handoff(client, msg, fds[0])
@@ -306,10 +345,11 @@ class HandoffServer:
         except Refused as e:
             self.send(client, e.reply)
         except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.stats.errors += 1
-            log.exception("handoff: unexpected error serving %s; connection closed", client.label)
+            if self._stopped:
+                raise
+            # expired (.gate): the task ends here, the connection below
+        except Exception as e:
+            self._unexpected(client, e)
         finally:
             if not watched:
                 self.end_client(client)
@@ -330,7 +370,7 @@ class HandoffServer:
                     self.send(client, self._invalid(client, e))
                     break
                 except OSError as e:
-                    log.info("handoff: %s: connection failed: %s", client.label, e)
+                    warn.info("conn-failed", "handoff: %s: connection failed: %s", client.label, e)
                     break
                 self.stats.requests += 1
                 if fds:
@@ -345,10 +385,17 @@ class HandoffServer:
                     client, m.Error(ErrorCode.BAD_STATE, f"{msg.TYPE.name} is not allowed now")
                 )
                 break
-        except Exception:
-            self.stats.errors += 1
-            log.exception("handoff: unexpected error serving %s; connection closed", client.label)
+        except Exception as e:
+            self._unexpected(client, e)
         self.end_client(client)
+
+    def _unexpected(self, client: Client, e: Exception) -> None:
+        """A bug met by some input: one rate-limited line (no traceback a client could fill the
+        journal with); the traceback at debug level."""
+        self.stats.errors += 1
+        warn.error("unexpected", "handoff: unexpected error serving %s; connection closed: %s: %s",
+                   client.label, type(e).__name__, e)  # fmt: skip
+        log.debug("handoff: the unexpected error", exc_info=e)
 
     def end_client(self, client: Client) -> None:
         """The connection is over: release what it held and close it (exactly once)."""
@@ -359,13 +406,16 @@ class HandoffServer:
             with contextlib.suppress(Exception):
                 fd_watch(self.loop).remove(client.sock.fileno())
         self._clients.discard(client)
-        self.admission.let_go(client.uid)
+        self.gate.release(client)
         try:
             if client.listener is not None:
                 lst, client.listener = client.listener, None
                 self.registrations.unlisten(lst)
             if client.half is not None:
                 half, client.half = client.half, None
+                self.journal.append(self.ledger.drop(half.conn_id))
+                if half.local_token is None:  # a resumed half: its DMB was charged, not held
+                    self.pool.discharge(half.uid, half.rx_size)
                 self.channels.hang_up(half)
         finally:
             client.sock.close()
