@@ -45,11 +45,13 @@ __all__ = [
     "capture",
     "modprobe",
     "pnet_add",
+    "pnet_del",
     "smc_connect",
     "smc_diag",
     "smc_listen",
     "split_clc",
     "ueid_add",
+    "ueid_del",
 ]
 
 AF_SMC = 43
@@ -154,10 +156,10 @@ _SOCK_DIAG_BY_FAMILY = 20
 
 # include/uapi/linux/smc.h
 _SMC_PNETID_FAMILY = "SMC_PNETID"
-_SMC_PNETID_ADD = 2
+_SMC_PNETID_ADD, _SMC_PNETID_DEL = 2, 3
 _SMC_PNETID_NAME, _SMC_PNETID_ETHNAME, _SMC_PNETID_IBNAME, _SMC_PNETID_IBPORT = 1, 2, 3, 4
 _SMC_GEN_FAMILY = "SMC_GEN_NETLINK"
-_SMC_NETLINK_ADD_UEID = 10
+_SMC_NETLINK_ADD_UEID, _SMC_NETLINK_REMOVE_UEID = 10, 11
 _SMC_NLA_EID_TABLE_ENTRY = 1
 _EID_LEN = 32
 
@@ -246,6 +248,18 @@ def pnet_add(pnetid: str, ethname: str, ibname: str, ibport: int = 1) -> None:
         + _nla(_SMC_PNETID_IBNAME, ibname.encode() + b"\0")
         + _nla(_SMC_PNETID_IBPORT, bytes([ibport])),
     )
+
+
+def pnet_del(pnetid: str) -> None:
+    """Remove a pnet table entry (``smc_pnet del``)."""
+    _genl(_SMC_PNETID_FAMILY, _SMC_PNETID_DEL, _nla(_SMC_PNETID_NAME, pnetid.encode() + b"\0"))
+
+
+def ueid_del(eid: str) -> None:
+    """Remove a user EID."""
+    raw = eid.encode("ascii")
+    entry = _nla(_SMC_NLA_EID_TABLE_ENTRY, raw.ljust(_EID_LEN) + b"\0")
+    _genl(_SMC_GEN_FAMILY, _SMC_NETLINK_REMOVE_UEID, entry)
 
 
 def ueid_add(eid: str) -> None:
