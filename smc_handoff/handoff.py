@@ -20,8 +20,10 @@ because the daemon may die, freeze or lie:
   the descriptor died with it). A live daemon that hangs up without a reply may still hold a
   copy and write later, so that is an error too (also under socket activation, where the pid
   is systemd's and so never gone).
-- A server half retries a full handoff queue for :data:`ACCEPT_BUSY_WAIT`: its client half may
-  be queued at the same daemon and propose after the server half fell back.
+- Both halves wait up to :data:`ACCEPT_BUSY_WAIT` on a full handoff queue, in the kernel (a
+  blocking connect bounded by ``SO_SNDTIMEO``, woken when the daemon accepts): a full queue
+  means a busy daemon, e.g. one refusing another user's flood of connections, and a waiter the
+  kernel wakes gets the freed slot before a flood that polls for it.
 - No reply within :func:`~smc_handoff.messages.handoff_timeout` (a frozen or overloaded daemon)
   is always an error (``ETIMEDOUT``), untouched or not: the daemon still holds a copy of the
   descriptor and would go on with the handshake when it wakes up. No cancel can be safe (a
@@ -85,6 +87,7 @@ log = logging.getLogger("smc_handoff")
 # The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
 _BaseSocket = _socket.socket
 _PEERCRED = struct.Struct("3i")
+_TIMEVAL = struct.Struct("ll")
 CLC_EYECATCHERS = (b"\xe2\xd4\xc3\xd9", b"\xe2\xd4\xc3\xc4")
 """EBCDIC "SMCR" and "SMCD": every CLC message starts with one."""
 _PEEK = int(_socket.MSG_PEEK) | int(_socket.MSG_DONTWAIT)
@@ -121,17 +124,21 @@ def connect_daemon(timeout: float, busy_wait: float = 0.0) -> tuple[_socket.sock
         while True:
             ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
             try:
-                ctl.settimeout(timeout)
+                # blocking, so that a full listen queue is waited for (a timed socket would fail
+                # with EAGAIN at once), at most busy_wait seconds
+                wait = max(until - time.monotonic(), 0.001)
+                tv = _TIMEVAL.pack(int(wait), int(wait % 1 * 1e6))
+                ctl.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, tv)
                 ctl.connect(os.fspath(path))
+                ctl.settimeout(timeout)
                 cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
                 pid, uid, _gid = _PEERCRED.unpack(cred)
                 if uid != 0 and uid != os.getuid():
                     raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
             except (OSError, NoDaemon) as e:
                 ctl.close()
-                if isinstance(e, BlockingIOError) and time.monotonic() < until:
-                    time.sleep(_BUSY_RETRY)
-                    continue
+                if isinstance(e, BlockingIOError) and time.monotonic() + _BUSY_RETRY < until:
+                    continue  # woken, and a flood took the slot: wait again
                 reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
                 problems.append(f"{path}: {reason}")
                 break
@@ -343,7 +350,7 @@ def hand_over(
     server_side = isinstance(request, messages.Accept)
     timeout = messages.handoff_timeout()
     try:
-        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT if server_side else 0.0)
+        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT)
     except NoDaemon as e:
         return _unsent(sock, server_side, messages.daemon_unavailable(str(e)), what)
     refusal = precheck() if precheck is not None else None

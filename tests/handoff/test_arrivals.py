@@ -25,7 +25,13 @@ def test_client_waits_for_the_server_half_then_marks_the_pair_proposed() -> None
         assert await waiting is None
         assert arr.proposed(KEY)  # the server's peek must now wait for the Proposal
         arr.server_gone(KEY, fell_back=False)
-        assert not arr.proposed(KEY)
+        assert not arr.proposed(KEY) and len(arr) == 0  # forgotten: the 4-tuple may come again
+        # a later connection on the same 4-tuple waits for its own server half
+        later = asyncio.create_task(arr.wait_server(KEY, 5.0))
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        arr.server_in(KEY)
+        assert await later is None
 
     asyncio.run(run())
 

@@ -17,9 +17,11 @@ peek finds none after ``timeouts.proposal_wait`` and the pair is *proposed*, it 
 on one event loop, so "mark, then write" on one side and "check, then decide" on the other
 cannot interleave: there is no window in which a Proposal lands in a stream handed back.
 
-Entries are keyed by the connection's :data:`~smcd_daemon.core.handoff_pairs.PairKey` and kept
-for :data:`KEEP` seconds after the server half's handshake ended (a late client half reads the
-result), at most :data:`MAX_ENTRIES` of them.
+Entries are keyed by the connection's :data:`~smcd_daemon.core.handoff_pairs.PairKey`. A server
+half that fell back is remembered for :data:`KEEP` seconds (a late client half reads it); one
+whose handshake ended otherwise is forgotten at once: its client half is past proposing, and a
+later connection may reuse the 4-tuple (ports come round quickly under load). At most
+:data:`MAX_ENTRIES` entries.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from smcd_daemon.core.handoff_pairs import PairKey
 
 __all__ = ["KEEP", "MAX_ENTRIES", "Arrivals", "ServerHalf"]
 
-KEEP = 30.0
+KEEP = 10.0
 MAX_ENTRIES = 16384
 
 
@@ -103,6 +105,8 @@ class Arrivals:
         """The server half's handshake ended: handed back without CLC (``fell_back``) or
         otherwise. Kept :data:`KEEP` seconds for a late client half."""
         entry = self._entries.pop(key, None)
+        if not fell_back and (entry is None or not entry.waiters):
+            return  # nothing to tell a client half; the 4-tuple is free for the next one
         if entry is None:
             entry = _Entry(ServerHalf.DONE)
         entry.state = ServerHalf.FELL_BACK if fell_back else ServerHalf.DONE

@@ -87,7 +87,7 @@ def peer_cred(sock: socket.socket) -> PeerCred | None:
     return PeerCred(pid, uid, gid)
 
 
-def bind_seqpacket(path: Path, *, mode: int = 0o666, backlog: int = 512) -> socket.socket:
+def bind_seqpacket(path: Path, *, mode: int = 0o666, backlog: int = 4096) -> socket.socket:
     """Bind and listen on ``path``. A stale socket file (nobody listening) is replaced; a live
     one, or a path that is not a socket, is an error rather than something to destroy."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)

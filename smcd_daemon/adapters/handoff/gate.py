@@ -3,11 +3,17 @@
 of the server goes through.
 
 Where a request is refused, and how
-    At accept: a user with :attr:`~smcd_daemon.config.LimitsConfig.pending_per_user` connections
-    that sent no request yet, or at their cap of handoff connections, or past their share of a
-    full daemon, gets a FALLBACK at once and the connection closed. The library reads it as the
-    answer to the request it sends (or finds the connection closed before it could send: then
-    it never handed anything over); either way the TCP socket is untouched. Before a handshake:
+    At accept: a connection of a user with ``limits.pending_per_user`` connections that sent no
+    request yet, or at their cap of handoff connections, or past their share of a full daemon,
+    is *parked*: the daemon keeps only its descriptor, watched for readability, and does no
+    work for it until its client speaks or hangs up; then it answers FALLBACK (the library reads
+    it as the answer to its request: its TCP socket is untouched) and closes it. Why not close
+    at once: a flood reconnects as fast as it is refused, and that churn (tens of thousands of
+    accepts a second) is what took the daemon and the listen queue from every other user; a
+    parked connection costs one descriptor and no CPU, so the flood's connections sit idle.
+    Parking is bounded: :data:`PARK_RESERVE` descriptors are always left for real work, and a
+    user parks at most their fair share of the rest; beyond that a connection is answered and
+    closed at once. Before a handshake:
     a user at their cap of handshakes in flight, past their share of a full handshake capacity,
     or any user while the event loop runs late, gets a FALLBACK before any CLC byte. Quota
     refusals are MAX_DMB, a busy daemon DAEMON_BUSY (0xFF000005); the explanation names the
@@ -29,6 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
+import resource
+import select
 import socket
 import time
 from typing import TYPE_CHECKING
@@ -44,11 +54,14 @@ if TYPE_CHECKING:
     from .common import Client, PeerCred
     from .server import HandoffServer
 
-__all__ = ["TICK", "Gate", "fallback_for", "warn"]
+__all__ = ["PARK_RESERVE", "TICK", "Gate", "fallback_for", "warn"]
 
 TICK = 0.25
 """Seconds between the gate's ticks (lag sample, overdue connections, log report)."""
 _FLUSH_EVERY = 20  # ticks between reports of suppressed log lines
+PARK_RESERVE = 4096
+"""Descriptors parking never takes (served connections, handshakes, DMBs, the journal)."""
+_TRIM_AFTER = 1024  # parked connections at once after which their end returns memory
 BUSY_SHARE = 0.5
 """Share of a late tick's interval the loop's thread must have run for the lag to count."""
 
@@ -70,6 +83,16 @@ class Gate:
         self.admission = Admission(Limits.from_config(server.cfg))
         self.pending: dict[Client, float] = {}
         """Connections without a request yet, oldest first, with their accept time."""
+        self.parked: dict[int, int] = {}
+        """Refused connections kept as bare descriptors until their client speaks or hangs up
+        (descriptor → uid), watched by an epoll of their own (no object per connection)."""
+        self._parked_by: dict[int, int] = {}
+        self._why: dict[int, Denied] = {}  # uid → its latest refusal, for the answers
+        self._park_ep: select.epoll | None = None
+        self._park_peak = 0
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        self.park_budget = max(0, limit - PARK_RESERVE)
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
         self._last = (0.0, 0.0)  # (loop time, thread CPU time) of the last tick
@@ -81,6 +104,8 @@ class Gate:
     # -- the tick ---------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._park_ep = select.epoll()
+        loop.add_reader(self._park_ep.fileno(), self._park_events)
         self._due = loop.time() + TICK
         self._last = (loop.time(), time.thread_time())
         self._timer = loop.call_at(self._due, self._tick)
@@ -89,6 +114,14 @@ class Gate:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for fd in list(self.parked):
+            self._unpark(fd, answer=False)
+        if self._park_ep is not None:
+            loop = self._srv.loop
+            if loop is not None:
+                loop.remove_reader(self._park_ep.fileno())
+            self._park_ep.close()
+            self._park_ep = None
         warn.flush(force=True)
 
     def _tick(self) -> None:
@@ -137,14 +170,70 @@ class Gate:
         return False
 
     def refuse(self, conn: socket.socket, cred: PeerCred | None, denied: Denied) -> None:
+        """Park ``conn`` (module docstring), or answer and close it when its user has parked
+        their share."""
         self._srv.stats.refused_connections += 1
-        with contextlib.suppress(OSError):
-            conn.setblocking(False)
-            m.send_message(conn, fallback_for(denied))
-        conn.close()
         who = str(cred) if cred is not None else "unknown peer"
         warn.warning(f"refused-{denied.refusal.name.lower()}", "handoff: %s refused: %s", who,
                      denied.detail)  # fmt: skip
+        uid = denied.uid
+        mine = self._parked_by.get(uid, 0)
+        users = len(self._parked_by) + (uid not in self._parked_by)
+        ep = self._park_ep
+        if ep is not None and mine < self.park_budget // users:
+            fd = conn.fileno()
+            try:
+                ep.register(fd, select.EPOLLIN)
+            except OSError:
+                _answer(conn, denied)
+                return
+            conn.detach()
+            self.parked[fd] = uid
+            self._why[uid] = denied
+            self._parked_by[uid] = mine + 1
+            self._park_peak = max(self._park_peak, len(self.parked))
+            return
+        _answer(conn, denied)
+
+    def _park_events(self) -> None:
+        ep = self._park_ep
+        if ep is None:
+            return
+        for fd, _ev in ep.poll(0, 256):
+            self._unpark(fd)
+
+    def _unpark(self, fd: int, *, answer: bool = True) -> None:
+        """A parked connection spoke or hung up (or the server stops): answer it and close it."""
+        uid = self.parked.pop(fd, None)
+        if uid is None:
+            return
+        denied = self._why[uid]
+        left = self._parked_by.get(uid, 1) - 1
+        if left > 0:
+            self._parked_by[uid] = left
+        else:
+            self._parked_by.pop(uid, None)
+            self._why.pop(uid, None)
+        if self._park_ep is not None:
+            try:  # noqa: SIM105 (before the close: epoll keys on the open file)
+                self._park_ep.unregister(fd)
+            except OSError:
+                pass
+        conn = socket.socket(fileno=fd)
+        if answer:
+            _answer(conn, denied)
+        else:
+            conn.close()
+        if not self.parked and self._park_peak >= _TRIM_AFTER:
+            self._after_flood()
+
+    def _after_flood(self) -> None:
+        """The last parked connection of a flood is gone: give its memory back (the tables
+        keep their peak size, and the allocator its heap, unless told)."""
+        self._park_peak = 0
+        self.parked = {}
+        gc.collect()
+        _malloc_trim()
 
     def served(self, client: Client, loop_time: float) -> None:
         """``client`` (admitted) waits for its first request from ``loop_time`` on."""
@@ -158,3 +247,30 @@ class Gate:
         """``client``'s connection ended (exactly once per admitted connection)."""
         pending = self.pending.pop(client, None) is not None
         self.admission.disconnect(client.uid, pending=pending)
+
+
+def _answer(conn: socket.socket, denied: Denied) -> None:
+    """Answer a refused connection with its FALLBACK and close it. What the client sent is read
+    first (and its descriptors closed): closing a socket with unread data makes the peer's next
+    read fail with ECONNRESET before it could read the answer."""
+    try:
+        conn.setblocking(False)
+        for _ in range(8):
+            try:
+                _msg, fds = m.recv_message(conn, requests=True)
+            except m.HandoffProtocolError:
+                continue  # read, and its descriptors closed: nothing else to do with it
+            except BlockingIOError:
+                break  # all read
+            m.close_fds(fds)
+        m.send_message(conn, fallback_for(denied))
+    except (OSError, m.HandoffClosedError):
+        pass  # the client is gone
+    finally:
+        conn.close()
+
+
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: return free heap pages to the system (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)

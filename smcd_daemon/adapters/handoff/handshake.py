@@ -388,8 +388,9 @@ class Handshakes:
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         wait = srv.cfg.timeouts.proposal_wait
         seen = await peek_proposal(tcp, wait)
-        if seen.kind == "silent" and self.arrivals.proposed(key):
-            # our client half is proposing right now (it saw us here): wait for it
+        if seen.kind == "silent" and (self.arrivals.proposed(key) or srv.backlogged()):
+            # our client half is proposing right now (it saw us here), or may still wait in
+            # the daemon's listen queue (a busy daemon): wait for it, up to the CLC timer
             seen = await peek_proposal(tcp, srv.cfg.timeouts.clc_wait)
         if seen.kind != "smc":
             detail = {

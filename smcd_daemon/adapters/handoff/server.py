@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import select
 import socket
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ MAX_CLIENTS = MAX_CONNECTIONS
 """Handoff connections served at once, all users together (each SMC connection holds one per
 half); past half of it they are shared fairly between users (:mod:`.gate`). The daemon raises
 its descriptor limit to match."""
+ACCEPT_BURST = 64
+"""Connections served per turn of the loop before it attends to other work."""
+ACCEPT_DRAIN = 4096
+"""Connections accepted per turn at most, refused ones included: a refusal costs little, and
+every connection of a flood left in the listen queue is one another user's connect waits
+behind (a full queue fails a timed connect at once)."""
 ACCEPT_PAUSE = 0.1
 """Seconds accepting pauses when the daemon is out of descriptors (the listening socket stays
 readable: without a pause the loop would spin on it)."""
@@ -146,6 +153,8 @@ class HandoffServer:
         self.loopback.reclaim = self.deferred.run  # a DMB short of quota: run the releases first
         self._clients: set[Client] = set()
         self._stopped = False
+        self._queue_poll = select.poll()
+        self._queue_poll.register(sock.fileno(), select.POLLIN)
 
     @classmethod
     def bind(cls, path: Path, **kw: Any) -> HandoffServer:
@@ -160,6 +169,11 @@ class HandoffServer:
         self.pool.user_max_buffers = config.quota.connections
         self.pool.pool_max_bytes = config.buffers.pool_max_bytes
         self.pool.pool_max_buffers = config.buffers.pool_max_buffers
+
+    def backlogged(self) -> bool:
+        """Do connections wait in the listen queue (not accepted yet)? A handoff may be among
+        them, e.g. the client half a server half waits for."""
+        return bool(self._queue_poll.poll(0))
 
     def publish(self) -> None:
         """Add every pending connection to the registry now."""
@@ -212,7 +226,8 @@ class HandoffServer:
     # -- accepting --------------------------------------------------------------------------------
 
     def _on_accept(self) -> None:
-        for _ in range(64):  # drain a burst, then let the loop breathe
+        served = 0
+        for _ in range(ACCEPT_DRAIN):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -225,7 +240,10 @@ class HandoffServer:
                              ACCEPT_PAUSE)  # fmt: skip
                 self._pause_accepting()
                 return
-            self._serve(conn)
+            if self._serve(conn):
+                served += 1
+                if served >= ACCEPT_BURST:
+                    return  # let the loop breathe; the rest on its next turn
 
     def _pause_accepting(self) -> None:
         loop = self.loop
@@ -240,11 +258,12 @@ class HandoffServer:
 
         loop.call_later(ACCEPT_PAUSE, resume)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket) -> bool:
+        """Serve an accepted connection; False if it was refused (answered and closed)."""
         self.stats.connections += 1
         cred = peer_cred(conn)
         if not self.gate.admit(conn, cred):
-            return  # answered with a FALLBACK and closed: at a limit (see .gate)
+            return False  # answered with a FALLBACK and closed: at a limit (see .gate)
         conn.setblocking(False)
         client = Client(conn, cred)
         if log.isEnabledFor(logging.DEBUG):
@@ -253,6 +272,7 @@ class HandoffServer:
         assert self.loop is not None
         self.gate.served(client, self.loop.time())
         client.task = self.loop.create_task(self._client_loop(client), name="smcd-handoff")
+        return True
 
     def expire(self, client: Client) -> None:
         """``client`` sent no request in time (:mod:`.gate`): end its connection."""
