@@ -21,8 +21,9 @@ The first path that accepts a connection is used. The client checks ``SO_PEERCRE
 must run as root or as the client's own uid, otherwise the connection is dropped (another user
 squatting a predictable path must never receive our sockets). The daemon checks ``SO_PEERCRED``
 on every request and applies the per-user limits; a connection past one of them (too many that
-sent no request yet, or held) is answered at once with FALLBACK (before any request) and closed,
-and one that sends no request within the daemon's ``limits.first_request_wait`` is closed.
+sent no request yet, or held) is answered with FALLBACK to its request (the daemon does no work
+for it before) and closed, and one that sends no request within the daemon's
+``limits.first_request_wait`` is closed.
 
 Connections
 ===========
