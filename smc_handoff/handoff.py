@@ -20,10 +20,11 @@ because the daemon may die, freeze or lie:
   the descriptor died with it). A live daemon that hangs up without a reply may still hold a
   copy and write later, so that is an error too (also under socket activation, where the pid
   is systemd's and so never gone).
-- Both halves wait up to :data:`ACCEPT_BUSY_WAIT` on a full handoff queue, in the kernel (a
-  blocking connect bounded by ``SO_SNDTIMEO``, woken when the daemon accepts): a full queue
-  means a busy daemon, e.g. one refusing another user's flood of connections, and a waiter the
-  kernel wakes gets the freed slot before a flood that polls for it.
+- A server half waits up to :data:`ACCEPT_BUSY_WAIT` on a full handoff queue: its client half
+  may be queued at the same daemon and propose after the server half fell back. It waits in the
+  kernel (a blocking connect bounded by ``SO_SNDTIMEO``, woken when the daemon accepts), so it
+  gets a freed slot before a flood that polls for one. A client half, which has sent nothing,
+  falls back at once.
 - No reply within :func:`~smc_handoff.messages.handoff_timeout` (a frozen or overloaded daemon)
   is always an error (``ETIMEDOUT``), untouched or not: the daemon still holds a copy of the
   descriptor and would go on with the handshake when it wakes up. No cancel can be safe (a
@@ -350,7 +351,7 @@ def hand_over(
     server_side = isinstance(request, messages.Accept)
     timeout = messages.handoff_timeout()
     try:
-        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT)
+        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT if server_side else 0.0)
     except NoDaemon as e:
         return _unsent(sock, server_side, messages.daemon_unavailable(str(e)), what)
     refusal = precheck() if precheck is not None else None
