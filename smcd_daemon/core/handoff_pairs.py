@@ -53,7 +53,7 @@ __all__ = [
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Address = tuple[IpAddress, int, int]
 """(address, port, IPv6 scope id), as ``smcd_daemon.transport.loopback.endpoint`` normalises."""
-PairKey = tuple[Address, Address]
+PairKey = tuple[Address, Address] | tuple[int, int]
 """(client local, client peer): both halves spell their connection this way."""
 
 

@@ -17,10 +17,23 @@ live in one kernel; a GID match proves it. A userspace daemon sees the GID in a 
 over TCP from anywhere, and a 64-bit (or even 128-bit) random value is not proof that the peer is
 this daemon. So a server accepts the loopback path only when the Proposal's loopback GID is ours
 *and* this daemon holds the client half of this very TCP connection: the client half registers its
-(local, peer) addresses before it sends its Proposal, and the server half looks for
-(its peer, its local). An entry pairs at most one server half (it is claimed), it expires after
-``ttl`` seconds, and the table is bounded. The client half, in turn, checks that a server half of
-this daemon claimed it before it trusts an Accept (:meth:`PairingTable.claimed`).
+connection key before it sends its Proposal, and the server half looks for the same key. The key
+is the connection's identity (its two ISNs, :mod:`smcd_daemon.adapters.tcp_identity`) when the
+caller has it, else the (local, peer) addresses, mirrored on the server. An entry pairs at most one
+server half (it is claimed), it expires after ``ttl`` seconds, and the table is bounded. The client
+half, in turn, checks that a server half of this daemon claimed it before it trusts an Accept
+(:meth:`PairingTable.claimed`).
+
+And the **proof**. Keys only make the halves meet; addresses repeat across network namespaces and
+change under DNAT. Two halves belong together only when what the daemon wrote on one socket is
+what it read on the other: the DMB token, 64 bits from the CSPRNG, fresh for every handshake,
+which the server half writes in its Accept and the client half reads back, and the client half's
+token in its Confirm, which the server half reads. :meth:`LoopbackIsm.prove` lets a client half
+attach a DMB only if a server half of this daemon, still unclaimed (and of the same connection
+key, where both have one), wrote that token, and a server half attach only the DMB of the client
+half that read its own token. The token is the field the protocol already gives a device for an
+opaque handle (a kernel peer attaches whatever token the Accept names), so nothing new is put on
+the wire, and a peer that guesses or replays a token gets a Decline, never someone else's DMB.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ __all__ = [
     "LoopbackIsm",
     "LoopbackSession",
     "PairingError",
+    "PairingKey",
     "PairingTable",
     "PairingTableFull",
     "endpoint",
@@ -56,6 +70,7 @@ LGR_ID_STEP = 256
 """Link group ids advance by 256 as the kernel's (``SMC_LGR_NUM_INCR``)."""
 
 _U64 = (1 << 64) - 1
+_MAX_WRITTEN = 16384
 
 
 class PairingError(SmcError):
@@ -180,6 +195,15 @@ class _Half:
     claimed: bool = False
 
 
+PairingKey = Any
+"""What the two halves of one connection both know: an identity (client ISN, server ISN) or the
+client-first (local, peer) endpoints."""
+
+
+def _client_key(local: Any, peer: Any, key: PairingKey | None) -> PairingKey:
+    return key if key is not None else (endpoint(local), endpoint(peer))
+
+
 class PairingTable:
     """Client halves of TCP connections held by this daemon, keyed by (local, peer)."""
 
@@ -209,9 +233,10 @@ class PairingTable:
                 break
             del self._halves[key]
 
-    def register_client(self, local: Any, peer: Any) -> None:
-        """The client half (its local and peer address) is about to send a Proposal."""
-        key = (endpoint(local), endpoint(peer))
+    def register_client(self, local: Any, peer: Any, *, key: PairingKey | None = None) -> None:
+        """The client half (its local and peer address, or its connection ``key``) is about to
+        send a Proposal."""
+        key = _client_key(local, peer, key)
         self._expire()
         if key in self._halves:
             del self._halves[key]  # a reused 4-tuple: the old connection is gone
@@ -221,25 +246,25 @@ class PairingTable:
             )
         self._halves[key] = _Half(self._clock() + self.ttl)
 
-    def withdraw(self, local: Any, peer: Any) -> bool:
+    def withdraw(self, local: Any, peer: Any, *, key: PairingKey | None = None) -> bool:
         """The client half's handshake ended (either way): forget it. True if it was there."""
-        return self._halves.pop((endpoint(local), endpoint(peer)), None) is not None
+        return self._halves.pop(_client_key(local, peer, key), None) is not None
 
-    def claim_server(self, local: Any, peer: Any) -> bool:
-        """Server half with addresses (local, peer): is the client half (peer, local) held here,
-        live and not yet paired? If so it is marked claimed (one client half pairs with one
-        server half) and True is returned."""
+    def claim_server(self, local: Any, peer: Any, *, key: PairingKey | None = None) -> bool:
+        """Server half with addresses (local, peer) (or connection ``key``): is the client half
+        (peer, local) held here, live and not yet paired? If so it is marked claimed (one
+        client half pairs with one server half) and True is returned."""
         self._expire()
-        half = self._halves.get((endpoint(peer), endpoint(local)))
+        half = self._halves.get(_client_key(peer, local, key))
         if half is None or half.claimed:
             return False
         half.claimed = True
         return True
 
-    def claimed(self, local: Any, peer: Any) -> bool:
+    def claimed(self, local: Any, peer: Any, *, key: PairingKey | None = None) -> bool:
         """Client half: has a server half of this daemon claimed us?"""
         self._expire()
-        half = self._halves.get((endpoint(local), endpoint(peer)))
+        half = self._halves.get(_client_key(local, peer, key))
         return half is not None and half.claimed
 
 
@@ -308,6 +333,11 @@ class LoopbackIsm:
         self.gid128 = gid128
         self.pairing = pairing if pairing is not None else PairingTable()
         self.link_groups = link_groups if link_groups is not None else LinkGroupTable()
+        self._written: OrderedDict[int, LoopbackSession] = OrderedDict()
+        """DMB token → the session that wrote it in its Accept/Confirm and whose peer has not
+        yet proven that it read it (:meth:`prove`)."""
+        self.policy: Callable[[LoopbackSession, LoopbackSession], str | None] | None = None
+        """Who may pair with whom: the reason to refuse a proven pair, or None to allow."""
 
     @property
     def gid(self) -> int:
@@ -344,8 +374,58 @@ class LoopbackIsm:
     def detach_dmb(self, token: int) -> None:
         self.pool.detach(token)
 
-    def session(self, uid: int, local: Any, peer: Any, *, server: bool) -> LoopbackSession:
-        return LoopbackSession(self, uid, local, peer, server=server)
+    def session(
+        self,
+        uid: int,
+        local: Any,
+        peer: Any,
+        *,
+        server: bool,
+        key: PairingKey | None = None,
+        owner: Any = None,
+    ) -> LoopbackSession:
+        return LoopbackSession(self, uid, local, peer, server=server, key=key, owner=owner)
+
+    # -- the proof ------------------------------------------------------------------------------
+
+    def wrote(self, token: int, session: LoopbackSession) -> None:
+        """``session`` registered DMB ``token``, which it is about to write to its peer."""
+        self._written[token] = session
+        while len(self._written) > _MAX_WRITTEN:
+            self._written.popitem(last=False)  # the oldest handshakes are long over
+
+    def forget(self, token: int) -> None:
+        self._written.pop(token, None)
+
+    def prove(self, session: LoopbackSession, token: int) -> None:
+        """``session`` read ``token`` from its peer and wants to attach its DMB: is the writer
+        of that token its other half? Raises :class:`PairingError` if not (nothing changes)."""
+        writer = self._written.get(token)
+        if writer is None or writer is session or writer.server == session.server:
+            raise PairingError(
+                f"DMB token {token:#x} was not written by a "
+                f"{'client' if session.server else 'server'} half of this daemon in a handshake "
+                "in progress: the peer is not the other half of this connection"
+            )
+        if session.server:  # the client half must have read *our* token first
+            if writer.partner is not session:
+                raise PairingError(
+                    f"the client half that wrote DMB token {token:#x} did not read this server "
+                    "half's token: the peer is not the other half of this connection"
+                )
+        else:
+            if writer.partner is not None:
+                raise PairingError(f"DMB token {token:#x}: its server half is paired already")
+            if session.key is not None and writer.key is not None and session.key != writer.key:
+                raise PairingError(
+                    f"DMB token {token:#x} was written on another TCP connection than this one"
+                )
+            refused = self.policy(session, writer) if self.policy is not None else None
+            if refused is not None:
+                raise PairingError(f"pairing refused by policy: {refused}")
+            writer.partner = session
+            session.partner = writer
+        del self._written[token]
 
 
 class LoopbackSession:
@@ -354,24 +434,38 @@ class LoopbackSession:
     ``SmcdResources`` protocol."""
 
     def __init__(
-        self, device: LoopbackIsm, uid: int, local: Any, peer: Any, *, server: bool
+        self,
+        device: LoopbackIsm,
+        uid: int,
+        local: Any,
+        peer: Any,
+        *,
+        server: bool,
+        key: PairingKey | None = None,
+        owner: Any = None,
     ) -> None:
         self.device = device
         self.uid = uid
         self.local = endpoint(local)
         self.peer = endpoint(peer)
         self.server = server
+        self.key = key
+        """The connection key both halves share (identity), or None (addresses)."""
+        self.owner = owner
+        """Who handed the connection over (credentials, namespace), for the policy."""
+        self.partner: LoopbackSession | None = None
+        """The other half, once the token exchange proved it (:meth:`LoopbackIsm.prove`)."""
         self._paired: bool | None = None
 
     def pairing_verified(self) -> bool:
         """Server: the client half of this connection is held here (claimed once, remembered)."""
         if self._paired is None:
-            self._paired = self.device.pairing.claim_server(self.local, self.peer)
+            self._paired = self.device.pairing.claim_server(self.local, self.peer, key=self.key)
         return self._paired
 
     def pairing_confirmed(self) -> bool:
         """Client: a server half of this daemon claimed our half."""
-        return self.device.pairing.claimed(self.local, self.peer)
+        return self.device.pairing.claimed(self.local, self.peer, key=self.key)
 
     def find_link_group(self, peer_gid: int) -> int | None:
         return self.device.link_groups.find(peer_gid)
@@ -384,12 +478,15 @@ class LoopbackSession:
 
     def register_dmb(self, size: int, min_size: int) -> DmbGrant:
         dmb = self.device.register_dmb(self.uid, size, min_size=min_size)
+        self.device.wrote(dmb.token, self)
         return DmbGrant(dmb.token, dmb.size, dmb.size_comp)
 
     def unregister_dmb(self, token: int) -> None:
+        self.device.forget(token)
         self.device.unregister_dmb(token)
 
     def attach_dmb(self, token: int) -> DmbGrant:
+        self.device.prove(self, token)
         dmb = self.device.attach_dmb(token, self.uid)
         return DmbGrant(dmb.token, dmb.size, dmb.size_comp)
 

@@ -357,12 +357,12 @@ def test_confirm_with_another_release_is_releaseerr() -> None:
     assert isinstance(accept, clc.Accept) and accept.fce is not None and accept.fce.release == 1
     client_dmb = w.pool.register(1000, 64 * KIB)
 
-    def confirm(fce: clc.FirstContactExt) -> bytes:
+    def confirm(fce: clc.FirstContactExt, dmb: object = client_dmb) -> bytes:
         info = clc.SmcdInfo(
             gid=w.dev.gid,
-            token=client_dmb.token,
+            token=dmb.token,  # type: ignore[attr-defined]
             link_id=256,
-            dmbe_size=client_dmb.size_comp,
+            dmbe_size=dmb.size_comp,  # type: ignore[attr-defined]
             chid=0xFFFF,
             gid_ext=w.dev.gid_ext,
         )
@@ -377,11 +377,16 @@ def test_confirm_with_another_release_is_releaseerr() -> None:
     # the echoed release passes, and the Confirm's feature mask is taken
     w.dev.pairing.withdraw(CLIENT, SERVER)
     c, s = w.client(), w.server()
-    feed(s, c.start().data)
-    feed(s, confirm(clc.FirstContactExt(release=1, feature_mask=0)))
+    accept = clc.decode(sent(feed(s, c.start().data)))
+    assert isinstance(accept, clc.Accept) and isinstance(accept.info, clc.SmcdInfo)
+    # the server half attaches only the DMB of a client half of this daemon that read its token
+    half = w.dev.session(1000, CLIENT, SERVER, server=False)
+    proven = half.register_dmb(64 * KIB, 16 * KIB)
+    half.attach_dmb(accept.info.token)
+    feed(s, confirm(clc.FirstContactExt(release=1, feature_mask=0), proven))
     out = s.outcome
     assert isinstance(out, SmcdLoopbackOutcome)
-    assert (out.release, out.feature_mask, out.peer_token) == (1, 0, client_dmb.token)
+    assert (out.release, out.feature_mask, out.peer_token) == (1, 0, proven.token)
 
 
 def proposal(w: World, **change: object) -> bytes:

@@ -157,3 +157,49 @@ def test_link_group_table_one_per_peer_gid() -> None:
         table.create(7)
     table.discard(lgr)
     assert table.find(7) is None and table.find(8) == 512
+
+
+def test_halves_pair_only_by_the_tokens_they_read_back() -> None:
+    """The proof: a client half attaches only a token an unclaimed server half of this daemon
+    wrote (of the same connection key), a server half only the token of the client half that read
+    its own; a guessed, replayed or crossed token is refused and changes nothing."""
+    pool = DmbPool()
+    dev = LoopbackIsm(pool)
+    key1, key2 = (111, 222), (333, 444)  # two connections with identical addresses
+    s1 = dev.session(1001, SERVER, CLIENT, server=True, key=key1)
+    s2 = dev.session(1001, SERVER, CLIENT, server=True, key=key2)
+    c1 = dev.session(1000, CLIENT, SERVER, server=False, key=key1)
+    c2 = dev.session(1000, CLIENT, SERVER, server=False, key=key2)
+    t_s1, t_s2 = (s.register_dmb(16384, 16384).token for s in (s1, s2))
+    t_c1, t_c2 = (c.register_dmb(16384, 16384).token for c in (c1, c2))
+    raw = pool.register(1000, 16384)  # a DMB no handshake wrote
+    with pytest.raises(PairingError, match="not written by a server half"):
+        c1.attach_dmb(raw.token)
+    with pytest.raises(PairingError, match="not written by a server half"):
+        c1.attach_dmb(t_c2)  # a client half's token is no Accept's
+    with pytest.raises(PairingError, match="another TCP connection"):
+        c1.attach_dmb(t_s2)  # the other pair's server, same addresses
+    with pytest.raises(PairingError, match="did not read this server half's token"):
+        s1.attach_dmb(t_c1)  # c1 has not read s1's token yet
+    c1.attach_dmb(t_s1)
+    assert c1.partner is s1 and s1.partner is c1
+    with pytest.raises(PairingError):
+        c2.attach_dmb(t_s1)  # replayed: s1 is taken
+    with pytest.raises(PairingError, match="did not read this server half's token"):
+        s2.attach_dmb(t_c1)  # crossed
+    s1.attach_dmb(t_c1)
+    c2.attach_dmb(t_s2)
+    s2.attach_dmb(t_c2)
+    assert (c2.partner, s2.partner) == (s2, c2)
+
+
+def test_a_policy_refuses_a_proven_pair_with_its_reason() -> None:
+    dev = LoopbackIsm(DmbPool())
+    dev.policy = lambda client, server: f"{client.owner} may not reach {server.owner}"
+    s = dev.session(1001, SERVER, CLIENT, server=True, owner="ns-b")
+    c = dev.session(1000, CLIENT, SERVER, server=False, owner="ns-a")
+    token = s.register_dmb(16384, 16384).token
+    c.register_dmb(16384, 16384)
+    with pytest.raises(PairingError, match="refused by policy: ns-a may not reach ns-b"):
+        c.attach_dmb(token)
+    assert c.partner is None and s.partner is None

@@ -53,6 +53,7 @@ from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.adapters.tcp_identity import connection_identity
 from smcd_daemon.core.handoff_pairs import IpAddress, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
 from smcd_daemon.protocol.negotiate import (
@@ -200,9 +201,13 @@ class Handshakes:
         except PairingError as e:
             tcp.close()
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
-        key: PairKey = (endpoint(tcp.local), endpoint(tcp.peer))
-        if role is ConnRole.SERVER:
-            key = (key[1], key[0])
+        ends = (endpoint(tcp.local), endpoint(tcp.peer))
+        key: PairKey = ends if role is ConnRole.CLIENT else (ends[1], ends[0])
+        # Addresses repeat across namespaces and change under DNAT: where the kernel tells us
+        # the connection's identity (its two ISNs), the halves meet by that (.tcp_identity).
+        ident = connection_identity(tcp.sock, active=role is ConnRole.CLIENT)
+        if ident is not None:
+            key = ident
         assert srv.loop is not None
         denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
         if denied is not None:  # before any CLC byte: the stream is the application's
@@ -362,12 +367,14 @@ class Handshakes:
             not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
             if not_yet is not None:
                 return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
-        session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=False)
+        session = srv.loopback.session(
+            client.uid, tcp.local, tcp.peer, server=False, key=key, owner=client
+        )
         facts = self._facts(hint, peer_speaks_smc=why is not None)
         if why is not None:
             log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
             try:
-                srv.loopback.pairing.register_client(tcp.local, tcp.peer)
+                srv.loopback.pairing.register_client(tcp.local, tcp.peer, key=key)
             except PairingError as e:
                 warn.warning("pairing", "handoff: %s; offering no device", e)
                 facts = dataclasses.replace(facts, loopback=None)
@@ -376,7 +383,7 @@ class Handshakes:
             return await drive(negotiation, tcp, negotiation.start())
         finally:
             with contextlib.suppress(PairingError):
-                srv.loopback.pairing.withdraw(tcp.local, tcp.peer)
+                srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=key)
 
     async def _run_server(
         self, client: Client, hint: int, tcp: BorrowedTcp, key: PairKey
@@ -403,7 +410,9 @@ class Handshakes:
         service = self._smcr_toward(tcp, detected=detected)
         if service is not None:
             return await self._run_smcr(client, hint, tcp, service, server=True)
-        session = srv.loopback.session(client.uid, tcp.local, tcp.peer, server=True)
+        session = srv.loopback.session(
+            client.uid, tcp.local, tcp.peer, server=True, key=key, owner=client
+        )
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
         if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
             # only a Proposal with SMC-R ends so on this path: say why SMC-R was not tried

@@ -1,0 +1,105 @@
+"""Who is at the other end of a borrowed TCP socket, without trusting addresses.
+
+Network namespaces reuse addresses (two pairs of containers can have identical 4-tuples) and a
+published port is DNAT'ed (the client sees another 4-tuple than its server), so the daemon does
+not meet the two halves of one connection by their addresses.
+
+:func:`connection_identity` names a TCP connection by the initial sequence numbers of both
+directions, ``(client ISN, server ISN)``: the same pair on both ends of one connection, whatever
+namespace, NAT (which leaves sequence numbers alone) or address each end sees, and two random
+32-bit values per connection. It is the *rendezvous* of the two halves (which server half a
+client half waits for); what proves that they belong together is the loopback device's token
+check (:mod:`smcd_daemon.transport.loopback`), not this.
+
+How: with ``TCP_REPAIR`` (CAP_NET_ADMIN in the socket's namespace; the daemon holds a copy of
+the socket while the application waits) the kernel reports ``write_seq`` and ``rcv_nxt``; the
+bytes counted in ``tcp_info`` (``tcpi_bytes_acked``, ``tcpi_bytes_received``) and ``SIOCOUTQ``
+take them back to the ISNs. Repair mode is left with ``TCP_REPAIR_OFF_NO_WP`` (no window probe)
+and only the queues' sequence numbers are read, nothing is changed. An active opener's
+``tcpi_bytes_acked`` counts its SYN, a passive opener's does not. Without the capability (a
+per-user daemon) the answer is None and the caller keys by addresses.
+
+:func:`netns_of` names a process's network namespace (inode of ``/proc/<pid>/ns/net`` and the
+name ``ip netns`` gives it, from ``/run/netns``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import struct
+import termios
+
+__all__ = ["NetnsId", "connection_identity", "netns_name", "netns_of"]
+
+_TCP_REPAIR = 19
+_TCP_REPAIR_QUEUE = 20
+_TCP_QUEUE_SEQ = 21
+_TCP_RECV_QUEUE = 1
+_TCP_SEND_QUEUE = 2
+_TCP_REPAIR_ON = 1
+_TCP_REPAIR_OFF_NO_WP = -1
+_BYTES_ACKED_AT = 120  # struct tcp_info: tcpi_bytes_acked, tcpi_bytes_received (u64 each)
+_U32 = 0xFFFFFFFF
+RUN_NETNS = "/run/netns"
+
+
+def connection_identity(sock: socket.socket, *, active: bool) -> tuple[int, int] | None:
+    """``(client ISN, server ISN)`` of the connection ``sock`` is one end of (``active``: the
+    end that connected), or None when the kernel does not tell (no capability, no TCP)."""
+    level = socket.IPPROTO_TCP
+    try:
+        sock.setsockopt(level, _TCP_REPAIR, _TCP_REPAIR_ON)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(level, _TCP_REPAIR_QUEUE, _TCP_SEND_QUEUE)
+        write_seq = sock.getsockopt(level, _TCP_QUEUE_SEQ) & _U32
+        sock.setsockopt(level, _TCP_REPAIR_QUEUE, _TCP_RECV_QUEUE)
+        rcv_nxt = sock.getsockopt(level, _TCP_QUEUE_SEQ) & _U32
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, _TCP_REPAIR, _TCP_REPAIR_OFF_NO_WP)
+    try:
+        info = sock.getsockopt(level, socket.TCP_INFO, 256)
+        outq = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return None
+    if len(info) < _BYTES_ACKED_AT + 16:
+        return None
+    acked, received = struct.unpack_from("=QQ", info, _BYTES_ACKED_AT)
+    own = (write_seq - outq - acked - (0 if active else 1)) & _U32
+    peer = (rcv_nxt - received - 1) & _U32
+    return (own, peer) if active else (peer, own)
+
+
+NetnsId = tuple[int, str]
+"""(inode of the namespace, its ``ip netns`` name or "")."""
+
+
+def netns_name(inode: int) -> str:
+    """The name ``ip netns`` knows the namespace ``inode`` by ("" if none)."""
+    try:
+        names = sorted(os.listdir(RUN_NETNS))
+    except OSError:
+        return ""
+    for name in names:
+        try:
+            if os.stat(os.path.join(RUN_NETNS, name)).st_ino == inode:
+                return name
+        except OSError:
+            continue
+    return ""
+
+
+def netns_of(pid: int) -> NetnsId | None:
+    """The network namespace of process ``pid`` (None if it is gone or hidden from us)."""
+    try:
+        inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+    return inode, netns_name(inode)

@@ -1,0 +1,180 @@
+"""One smcd for the host's network namespaces (#15): applications in real namespaces (``ip netns``,
+veth) reach the daemon's handoff socket by its path (the namespaces share the mount namespace, as
+a bind mount gives a container) and their connections get SMC-D loopback-ism.
+
+The identical-address case: two namespace pairs with the same addresses, the same listening port
+and, by construction, identical 4-tuples, run at once. The halves meet by the connection's
+identity (its ISNs) and are proven by the DMB tokens each read back, so every connection is
+paired with its own peer: each server names its namespace in its reply and checksums what it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import PYTHON, REPO, Smcd
+
+SERVER = r"""
+import hashlib, json, socket, sys, threading
+import smc_handoff
+addr, port, n, me = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+srv = smc_handoff.listen((addr, port))
+print(json.dumps({"registered": srv.registered}), flush=True)
+results = []
+def serve(sock):
+    h, got = hashlib.sha256(), 0
+    while True:
+        piece = sock.recv(262144)
+        if not piece:
+            break
+        h.update(piece)
+        got += len(piece)
+    sock.sendall(json.dumps({"server": me, "n": got, "sha": h.hexdigest()}).encode())
+    sock.close()
+threads = []
+for _ in range(n):
+    sock, _ = srv.accept()
+    fb = sock.fallback
+    results.append({"mode": sock.mode, "fallback": None if fb is None else fb.explanation})
+    t = threading.Thread(target=serve, args=(sock,))
+    t.start()
+    threads.append(t)
+for t in threads:
+    t.join()
+print(json.dumps({"accepted": results}), flush=True)
+"""
+
+CLIENT = r"""
+import hashlib, json, random, socket, sys, threading
+import smc_handoff
+addr, port = sys.argv[1], int(sys.argv[2])
+n, size, seed = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+out = [None] * n
+def run(i):
+    data = random.Random(seed * 1000 + i).randbytes(size)
+    # the same source port in every namespace: identical 4-tuples
+    sock = smc_handoff.connect((addr, port), timeout=30, source_address=("", 41000 + i))
+    fb, mode = sock.fallback, sock.mode
+    sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        reply += piece
+    sock.close()
+    out[i] = {"mode": mode, "fallback": None if fb is None else fb.explanation,
+              "sha": hashlib.sha256(data).hexdigest(), "n": size, "reply": json.loads(reply)}
+threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+print(json.dumps("ready"), flush=True)
+sys.stdin.readline()  # all clients start at once
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(out), flush=True)
+"""
+
+PREFIX = f"smcdns{os.getpid() % 10000}"
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=20)
+
+
+def in_ns(ns: str, program: str, *args: object, handoff: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.fspath(REPO), "SMCD_HANDOFF_SOCKET": os.fspath(handoff)}
+    argv = ["ip", "netns", "exec", ns, os.fspath(PYTHON), "-c", program, *map(str, args)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+
+def line(proc: subprocess.Popen[str], timeout: float = 60.0) -> Any:
+    assert proc.stdout is not None
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            raise AssertionError(f"no output within {timeout} s: {proc.args}")
+    text = proc.stdout.readline()
+    if not text:
+        err = proc.stderr.read() if proc.stderr else ""
+        raise AssertionError(f"{proc.args[3]} exited ({proc.wait()}): {err}")
+    return json.loads(text)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[list[str]]:
+    """The namespaces a test makes (:func:`add_ns`), deleted afterwards."""
+    made: list[str] = []
+    try:
+        yield made
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def add_ns(made: list[str], name: str) -> str:
+    sh("ip", "netns", "add", name)
+    made.append(name)
+    sh("ip", "-n", name, "link", "set", "lo", "up")
+    return name
+
+
+def veth_pair(made: list[str], a: str, b: str, addr_a: str, addr_b: str) -> None:
+    """Namespaces ``a`` and ``b`` joined by one veth pair, with the given /24 addresses."""
+    add_ns(made, a)
+    add_ns(made, b)
+    sh("ip", "link", "add", f"{a}v", "netns", a, "type", "veth", "peer", "name", f"{b}v",
+       "netns", b)  # fmt: skip
+    for ns, dev, addr in ((a, f"{a}v", addr_a), (b, f"{b}v", addr_b)):
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+
+
+def test_identical_addresses_in_two_namespace_pairs_pair_by_proof(
+    smcd: Smcd, namespaces: list[str]
+) -> None:
+    """Two pairs (client ns, server ns), both 198.51.100.2 → 198.51.100.3 port 5000, run at
+    once through one smcd: every connection is SMC-D and ends at its own server, checksummed."""
+    conns, size = 6, 300_000
+    pairs = [(f"{PREFIX}a{k}", f"{PREFIX}b{k}") for k in (1, 2)]
+    for a, b in pairs:
+        veth_pair(namespaces, a, b, "198.51.100.2", "198.51.100.3")
+    servers = [
+        in_ns(b, SERVER, "198.51.100.3", 5000, conns, b, handoff=smcd.handoff) for _, b in pairs
+    ]
+    for s in servers:
+        assert line(s) == {"registered": True}
+    clients = [
+        in_ns(a, CLIENT, "198.51.100.3", 5000, conns, size, k, handoff=smcd.handoff)
+        for k, (a, _) in enumerate(pairs, 1)
+    ]
+    for c in clients:
+        assert line(c) == "ready"
+    for c in clients:
+        assert c.stdin is not None
+        c.stdin.write("go\n")
+        c.stdin.flush()
+    results = [line(c) for c in clients]
+    accepted = [line(s)["accepted"] for s in servers]
+    for (a, b), got in zip(pairs, results, strict=True):
+        for r in got:
+            assert r["mode"] == "smcd", (a, r, smcd.log()[-3000:])
+            # its own server got exactly its bytes: a crossed pair names the other namespace
+            assert r["reply"] == {"server": b, "n": size, "sha": r["sha"]}, (a, r)
+        assert len({r["sha"] for r in got}) == conns
+    for b_accepted in accepted:
+        assert [r["mode"] for r in b_accepted] == ["smcd"] * conns, b_accepted
+    for p in [*servers, *clients]:
+        assert p.wait(10) == 0
