@@ -274,6 +274,8 @@ def config(ueid: str) -> str:
         "peer_detection = true\n"
         f'[eid]\nueids = ["{ueid}"]\n'
         "[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\nlinger = 900.0\n"
+        # our TEST LINK later than the kernel's (30 s): its probe is the one the LLC test sees
+        "test_link = 120.0\n"
         "[smcr]\nmax_links = 1\n"
     )
 
@@ -572,9 +574,10 @@ def llc_sends(traffic: ks.PcapTraffic, src: str, dst: str) -> list[tuple[str, bo
 @pytest.mark.timeout(600)
 def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratch: Path) -> None:
     """CONFIRM RKEY for a new kernel RMB (its client asks for a 1 MiB SO_RCVBUF, so its link
-    group needs an RMB of a new size) and TEST LINK after the link is idle (the kernel's
-    smcr_testlink_time, 30 s by default): each answered by smcd, as the RoCE capture shows,
-    and the connection still works after the idle time."""
+    group needs an RMB of a new size), TEST LINK after the link is idle (the kernel's
+    smcr_testlink_time, 30 s by default; smcd's own probe is set later, else the kernel, which
+    counts any received message as a sign of life, never probes) and DELETE RKEY when the
+    kernel drops that RMB: each answered by smcd, as the RoCE capture shows."""
     a0 = ports_of("a")[0]
     port = fresh_port()
     with ks.capture(a0.ifname, ["udp port 4791"], scratch / "llc.pcap") as pcap:
@@ -584,7 +587,7 @@ def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratc
         res_c, res_s = peers.json("kernel-client"), peers.json("smcd-server")
         assert res_s["mode"] == "smcr" and res_c["got"] == "hello from the server", res_s
         assert kernel_socket(port).mode == "SMCR"
-        time.sleep(45.0)  # idle: the kernel's TEST LINK timer (30 s) fires
+        time.sleep(50.0)  # idle: the kernel's TEST LINK timer (30 s) fires, ours (120 s) not
         assert kernel_socket(port).mode == "SMCR"
         peers.finish()
         time.sleep(2.0)
@@ -592,8 +595,10 @@ def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratc
     kernel, ours = "192.0.2.2", "192.0.2.1"
     from_kernel, from_us = llc_sends(traffic, kernel, ours), llc_sends(traffic, ours, kernel)
     print(f"Linux {KERNEL}: LLC from the kernel {from_kernel}; from smcd {from_us}")
-    for kind in ("CONFIRM_RKEY", "TEST_LINK"):
+    for kind in ("CONFIRM_RKEY", "TEST_LINK", "DELETE_RKEY"):
         asked = [t for t, resp in from_kernel if t.startswith(kind) and not resp]
         answered = [t for t, resp in from_us if t.startswith(kind) and resp]
+        if kind == "DELETE_RKEY" and not asked:
+            continue  # the kernel keeps the RMB (seen dropped on 6.1: answered then)
         assert asked, f"the kernel sent no {kind} request: {from_kernel}"
-        assert answered, f"smcd answered no {kind}: {from_us}"
+        assert len(answered) >= len(asked), f"smcd answered {answered} of {asked}: {from_us}"
