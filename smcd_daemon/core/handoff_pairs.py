@@ -260,6 +260,10 @@ class Listener:
     port: int
     uid: int
     conn_id: int
+    pid: int = 0
+    """The process that registered it (its ``/proc/<pid>/net`` shows the listener's namespace)."""
+    netns: int = 0
+    """Inode of the listener's network namespace (0: unknown, taken as the daemon's)."""
 
 
 class ListenerTable:
@@ -275,8 +279,10 @@ class ListenerTable:
     def __iter__(self) -> Iterator[Listener]:
         return iter(list(self._by_ident.values()))
 
-    def add(self, ip: IpAddress, port: int, uid: int, conn_id: int) -> Listener:
-        lst = Listener(self._next, ip, port, uid, conn_id)
+    def add(
+        self, ip: IpAddress, port: int, uid: int, conn_id: int, *, pid: int = 0, netns: int = 0
+    ) -> Listener:
+        lst = Listener(self._next, ip, port, uid, conn_id, pid, netns)
         self._next += 1
         self._by_ident[lst.ident] = lst
         return lst
@@ -286,15 +292,22 @@ class ListenerTable:
         return self._by_ident.pop(lst.ident, None) is not None
 
     def why_smc(
-        self, ip: IpAddress, port: int, is_local: Callable[[IpAddress], bool]
+        self,
+        ip: IpAddress,
+        port: int,
+        is_local: Callable[[IpAddress], bool],
+        local_to: Callable[[Listener, IpAddress], bool] | None = None,
     ) -> str | None:
         """Why a peer at ``ip``/``port`` speaks SMC (a listener registered on it), or None.
-        A wildcard listener matches an address of this host (``is_local`` says which)."""
+        A wildcard listener matches an address of this host (``is_local`` says which), or of
+        the listener's own network namespace when ``local_to`` is given."""
         for lst in self._by_ident.values():
             if lst.port != port:
                 continue
             if lst.ip == ip:
                 return f"registered listener {lst.ident}"
-            if lst.ip.is_unspecified and is_local(ip):
+            if lst.ip.is_unspecified and (
+                local_to(lst, ip) if local_to is not None else is_local(ip)
+            ):
                 return f"registered listener {lst.ident} (wildcard)"
         return None

@@ -178,3 +178,76 @@ def test_identical_addresses_in_two_namespace_pairs_pair_by_proof(
         assert [r["mode"] for r in b_accepted] == ["smcd"] * conns, b_accepted
     for p in [*servers, *clients]:
         assert p.wait(10) == 0
+
+
+def link(made: list[str], a: str, b: str, addr_a: str | None, addr_b: str | None) -> None:
+    """A veth pair between namespaces ``a`` and ``b`` (an address is /24; None: none)."""
+    sh("ip", "link", "add", f"{a}x{b[-1]}", "netns", a, "type", "veth", "peer", "name",
+       f"{b}x{a[-1]}", "netns", b)  # fmt: skip
+    for ns, dev, addr in ((a, f"{a}x{b[-1]}", addr_a), (b, f"{b}x{a[-1]}", addr_b)):
+        if addr is not None:
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+
+
+@pytest.fixture
+def host(namespaces: list[str]) -> dict[str, str]:
+    """A container host in namespaces: a router ``r`` with a bridge (198.51.100.1/24) joining
+    containers ``a`` (.2) and ``b`` (.3), a routed link to ``c`` (203.0.113.2, r is .1), and a
+    published port: r DNATs 203.0.113.1 port 8080 to b's 198.51.100.3 port 5000 (nftables)."""
+    ns = {k: add_ns(namespaces, f"{PREFIX}{k}") for k in "rabc"}
+    r = ns["r"]
+    sh("ip", "-n", r, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", r, "addr", "add", "198.51.100.1/24", "dev", "br0")
+    sh("ip", "-n", r, "link", "set", "br0", "up")
+    for k, addr in (("a", "198.51.100.2"), ("b", "198.51.100.3")):
+        link(namespaces, r, ns[k], None, addr)
+        sh("ip", "-n", r, "link", "set", f"{r}x{k}", "master", "br0")
+        sh("ip", "-n", ns[k], "route", "add", "default", "via", "198.51.100.1")
+    link(namespaces, r, ns["c"], "203.0.113.1", "203.0.113.2")
+    sh("ip", "-n", ns["c"], "route", "add", "default", "via", "203.0.113.1")
+    sh("ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    nft = ("ip", "netns", "exec", r, "nft")
+    sh(*nft, "add table ip smcdtest")
+    sh(*nft, "add chain ip smcdtest pre { type nat hook prerouting priority dstnat ; }")
+    sh(*nft, "add rule ip smcdtest pre ip daddr 203.0.113.1 tcp dport 8080 "
+       "dnat to 198.51.100.3:5000")  # fmt: skip
+    return ns
+
+
+@pytest.mark.parametrize(
+    ("client", "server", "listen", "target"),
+    [
+        ("a", "b", ("0.0.0.0", 5000), ("198.51.100.3", 5000)),  # through the bridge
+        ("c", "b", ("0.0.0.0", 5000), ("198.51.100.3", 5000)),  # routed
+        ("b", "c", ("0.0.0.0", 6000), ("203.0.113.2", 6000)),  # routed, the other way
+        ("c", "b", ("0.0.0.0", 5000), ("203.0.113.1", 8080)),  # a published (DNAT'ed) port
+    ],
+    ids=["bridge", "routed", "routed-reverse", "dnat"],
+)
+def test_containers_of_one_host_get_loopback_ism(
+    smcd: Smcd,
+    host: dict[str, str],
+    client: str,
+    server: str,
+    listen: tuple[str, int],
+    target: tuple[str, int],
+) -> None:
+    """Wildcard listeners registered from one namespace, clients in another: SMC-D through one
+    smcd in the host's namespace, whatever carries the TCP connection, checksummed."""
+    conns, size = 3, 1_000_000
+    srv = in_ns(host[server], SERVER, *listen, conns, server, handoff=smcd.handoff)
+    assert line(srv) == {"registered": True}
+    cli = in_ns(host[client], CLIENT, *target, conns, size, 7, handoff=smcd.handoff)
+    assert line(cli) == "ready"
+    assert cli.stdin is not None
+    cli.stdin.write("go\n")
+    cli.stdin.flush()
+    got = line(cli)
+    accepted = line(srv)["accepted"]
+    for r in got:
+        assert r["mode"] == "smcd", (r, smcd.log()[-2000:])
+        assert r["reply"] == {"server": server, "n": size, "sha": r["sha"]}
+    assert [r["mode"] for r in accepted] == ["smcd"] * conns, accepted
+    for p in (srv, cli):
+        assert p.wait(10) == 0

@@ -10,7 +10,7 @@ PKGS=(
   python3 python3-venv python3-pip
   python3-pyverbs python3-systemd rdma-core ibverbs-providers libibverbs-dev
   tshark
-  dbus libglib2.0-bin iproute2 util-linux systemd strace openssl
+  dbus libglib2.0-bin iproute2 nftables util-linux systemd strace openssl
   # `cc` and libc headers: bench/_ceiling.py compiles bench/ceiling.c (the smoke test's ceiling
   # row); gcc only recommends libc6-dev, and recommends are not installed
   gcc libc6-dev

@@ -53,8 +53,9 @@ from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.adapters.netns_view import dnat_target, local_in
 from smcd_daemon.adapters.tcp_identity import connection_identity
-from smcd_daemon.core.handoff_pairs import IpAddress, PairKey
+from smcd_daemon.core.handoff_pairs import IpAddress, Listener, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
 from smcd_daemon.protocol.negotiate import (
     ClientNegotiation,
@@ -87,6 +88,7 @@ _NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
 """What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
 _MAX_DMB = int(DeclineReason.MAX_DMB)
 _ZERO = Cursor()
+_OWN_NETNS = os.stat("/proc/self/ns/net").st_ino
 _ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
 """Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
 
@@ -146,13 +148,35 @@ class Handshakes:
         listener registered here (its server half is ours: :mod:`.arrivals`)."""
         srv = self._srv
         ip, port, _ = peer
-        why = srv.listeners.why_smc(ip, port, srv.local_addresses.is_local)
+        why = srv.listeners.why_smc(ip, port, srv.local_addresses.is_local, self._local_to)
         if why is not None:
             return why, True
         for net in srv.cfg.peers:
             if ip.version == net.version and ip in net:
                 return f"configured peer network {net}", False
         return None, False
+
+    def _local_to(self, lst: Listener, ip: IpAddress) -> bool:
+        """Is ``ip`` an address of ``lst``'s network namespace (the daemon's, or another one
+        of this host whose listener registered here: #15)?"""
+        if not lst.netns or lst.netns == _OWN_NETNS or not lst.pid:
+            return self._srv.local_addresses.is_local(ip)
+        return local_in(lst.pid, ip)
+
+    async def _published(self, client: Client, tcp: BorrowedTcp) -> tuple[str | None, bool]:
+        """No listener at the peer's address: is it a published (DNAT'ed) port of a listener
+        registered here from another namespace? Looked up in the connection tracking tables
+        only while such listeners exist (:mod:`..netns_view`)."""
+        if not any(lst.netns and lst.netns != _OWN_NETNS for lst in self._srv.listeners):
+            return None, False
+        cred = client.cred
+        real = await dnat_target(tcp.local, tcp.peer, cred.pid if cred else 0)
+        if real is None:
+            return None, False
+        why, ours = self._peer_speaks_smc(endpoint(real))
+        if why is None:
+            return None, False
+        return f"{why} behind a DNAT of {tcp.peer[0]} port {tcp.peer[1]}", ours
 
     def _ip_text(self, ip: IpAddress) -> tuple[str, bool]:
         """``(str(ip), ip.is_loopback)``, remembered per address object (endpoints share them;
@@ -343,6 +367,8 @@ class Handshakes:
         srv = self._srv
         peer = endpoint(tcp.peer)
         why, ours = self._peer_speaks_smc(peer)
+        if why is None:
+            why, ours = await self._published(client, tcp)
         detected = srv.detection.peer(tcp.fd)
         if detected:
             why = why or "the peer's SYN-ACK carried the SMC TCP option"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.tcp_identity import netns_of
 from smcd_daemon.core.buffers import DmbLimitError
 from smcd_daemon.core.channel_ledger import Forged, ResumeClaim
 from smcd_daemon.core.handoff_pairs import Half, Listener
@@ -91,7 +92,11 @@ class Registrations:
                 inode=inode,
             )
         )
-        lst = srv.listeners.add(ip, port, client.uid, conn.conn_id)
+        pid = cred.pid if cred else 0
+        ns = netns_of(pid) if pid else None  # the listener's namespace (#15)
+        lst = srv.listeners.add(
+            ip, port, client.uid, conn.conn_id, pid=pid, netns=ns[0] if ns else 0
+        )
         srv.detection.keep(lst.ident, mark)
         client.listener = lst
         srv.stats.listeners += 1
