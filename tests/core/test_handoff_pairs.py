@@ -1,6 +1,6 @@
 """The pair/half life cycle of handed-off SMC-D connections, in-process (no sockets, no loop):
 pairing, both halves served, one half gone, drops and mismatches, DMBs released only when both
-halves let go; the listener table; per-user admission counts; and the DMB observer's reading of
+halves let go; the listener table; and the DMB observer's reading of
 the header the channel writes (a real memfd, the shared layout)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 
 from smc_handoff import layout
 from smcd_daemon.adapters.handoff.observer import DmbView, advance, read_header
-from smcd_daemon.core.handoff_admission import Admission, session_limit
 from smcd_daemon.core.handoff_pairs import (
     CloseLink,
     CloseShared,
@@ -253,29 +252,6 @@ def test_listener_matching_exact_wildcard_and_gone() -> None:
     assert table.why_smc(IP_A, 443, local) is None
     assert [lst.ident for lst in table] == [1]
     assert table.add(IP_A, 22, 0, conn_id=12).ident == 3  # identifiers are never reused
-
-
-# -- admission --------------------------------------------------------------------------------
-
-
-def test_admission_counts_per_user_and_the_session_limit() -> None:
-    assert session_limit(0) == 0  # no limit
-    assert session_limit(4) == 2 * 4 + 64
-    adm = Admission()
-    for _ in range(session_limit(1)):
-        adm.hold(1000)
-    adm.hold(0)
-    assert adm.held(1000) == 66 and adm.held(0) == 1 and adm.held(5) == 0
-    assert adm.over_limit(1000, 1) is None  # at the limit, not over it
-    adm.hold(1000)
-    assert adm.over_limit(1000, 1) == (66, 66)  # others held, limit
-    assert adm.over_limit(1000, 0) is None  # quota off
-    assert adm.over_limit(0, 1) is None  # another user is not affected
-    adm.let_go(1000)
-    assert adm.over_limit(1000, 1) is None
-    adm.let_go(0)
-    adm.let_go(0)  # more hang-ups than connections never go negative
-    assert adm.held(0) == 0
 
 
 # -- the DMB observer -------------------------------------------------------------------------

@@ -14,7 +14,8 @@ in :mod:`smc_handoff.messages`; this package is the daemon's end of it, in parts
 - :mod:`.observer` — the DMB observer: cursors, states and byte counts from the CDC headers;
 - :mod:`.publisher` — registry records published late and in batches, deferred bookkeeping,
   lingering fallbacks, idle link groups freed;
-- per-user counts and limits: :mod:`smcd_daemon.core.handoff_admission`.
+- per-user caps and fair shares, checked before any CLC byte: :mod:`.gate` over the pure
+  :mod:`smcd_daemon.core.admission`.
 
 Release
     A half lets go of its DMB (unregister) and of its reference on the peer's (detach) when its
