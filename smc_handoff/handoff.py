@@ -412,6 +412,7 @@ class ChannelState:
     wr_shut: bool = False
     next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
     deadline: float | None = None  # of the sendall() in progress (None: per call)
+    resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
 
     RECHECK_S = 1.0
 
@@ -441,7 +442,7 @@ class ChannelState:
         RESUME), and when the daemon went away (hang-up) RESUME with the one that replaced
         it, without waiting for its answer. Never raises: the channel does not need this."""
         now = time.monotonic()
-        if now < self.next_check:
+        if now < self.next_check or not self.resumable:
             return
         self.next_check = now + self.RECHECK_S
         ctl = self.control
@@ -453,6 +454,14 @@ class ChannelState:
                     messages.close_fds(fds)
                     if isinstance(msg, messages.Ok):
                         self.conn_id = msg.ident
+                    elif isinstance(msg, messages.Error):
+                        # the new daemon could not verify this channel (RESUME is checked against
+                        # what the previous one recorded): the channel goes on unobserved
+                        log.debug("connection %d: RESUME refused: %s", self.conn_id, msg.message)
+                        self.resumable = False
+                        ctl.close()
+                        self.control = None
+                        return
             except (BlockingIOError, InterruptedError):
                 return  # the daemon is still there
             except (OSError, messages.HandoffError):
