@@ -720,7 +720,8 @@ async def _stats(client: SmcdClient, args: argparse.Namespace) -> int:
     if args.openmetrics:
         from smcd_daemon.cli.metrics import openmetrics
 
-        print(openmetrics(*await client.call("StatsGet"), await client.managed_objects()), end="")
+        counters, fallbacks = await client.call("StatsGet")
+        print(openmetrics(counters, fallbacks, await client.managed_objects()), end="")
         return 0
     counters, fallbacks = await client.call("StatsGet")
     from smcd_daemon.wire.reasons import explain

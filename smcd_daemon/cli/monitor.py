@@ -161,14 +161,15 @@ class Monitor:
                     out.append({"event": f"{kind}-removed", "path": obj_path, "properties": props})
         elif iface == PROPERTIES_INTERFACE and member == "PropertiesChanged":
             name, changed, _invalidated = body
-            kind = KINDS.get(name)
-            if kind is not None:
+            changed_kind = KINDS.get(name)
+            if changed_kind is not None:
                 old = self.objects.setdefault(path, {})
                 changes = {k: [old.get(k), v] for k, v in changed.items()}
                 old.update(changed)
                 out.append(
-                    {"event": f"{kind}-changed", "path": path, "changes": changes,
-                     "properties": dict(old), "notable": bool(_NOTABLE[kind] & changed.keys())}
+                    {"event": f"{changed_kind}-changed", "path": path, "changes": changes,
+                     "properties": dict(old),
+                     "notable": bool(_NOTABLE[changed_kind] & changed.keys())}
                 )  # fmt: skip
         return out
 

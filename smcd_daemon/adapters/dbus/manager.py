@@ -2,9 +2,9 @@
 
 Methods mirror the smc-tools commands an operator knows (``smc_pnet``, ``smcd ueid``/``seid``,
 ``smcd stats``, ``smcd info``). Reading is open to everybody; every method that changes state is
-refused to anybody but root twice: by the bus policy (``config/dbus-1/system.d/org.smcd.conf``) on the
-system bus, and here, by asking the bus for the caller's uid, so a session or private bus (which
-has no such policy) is safe too.
+refused to anybody but root twice: by the bus policy
+(``config/dbus-1/system.d/org.smcd.conf``) on the system bus, and here, by asking the bus for the
+caller's uid, so a session or private bus (which has no such policy) is safe too.
 
 Rule violations from the tables (:class:`PnetError`, :class:`EidError`) become
 ``org.smcd.Error.Invalid`` carrying the table's own message, which already says what was wrong and

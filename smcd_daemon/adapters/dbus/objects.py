@@ -17,7 +17,8 @@ import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from dbus_fast.service import PropertyAccess, ServiceInterface, dbus_property
+from dbus_fast.constants import PropertyAccess
+from dbus_fast.service import ServiceInterface, dbus_property
 
 from smcd_daemon.core.devices import DeviceInventory, LoopbackIsm, NetDevice, RdmaDevice
 from smcd_daemon.core.pnet import PnetTable
