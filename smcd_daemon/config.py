@@ -481,6 +481,16 @@ class SmcrConfig(_Section):
     )
 
 
+class NamespacesConfig(_Section):
+    """Which network namespaces of this host may be accelerated with each other (#15)."""
+
+    groups: tuple[tuple[str, ...], ...] = _doc(
+        'must be a list of lists of namespace names (as `ip netns` names them, "host" for '
+        "smcd's own, or an inode number); empty: every namespace of the host with every other",
+        default=(),
+    )
+
+
 class Config(_Section):
     """The whole configuration (frozen: a reload builds a new one)."""
 
@@ -511,6 +521,7 @@ class Config(_Section):
     timeouts: TimeoutsConfig = _doc("must be a table", default_factory=TimeoutsConfig)
     modes: ModesConfig = _doc("must be a table", default_factory=ModesConfig)
     smcr: SmcrConfig = _doc("must be a table", default_factory=SmcrConfig)
+    namespaces: NamespacesConfig = _doc("must be a table", default_factory=NamespacesConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -720,6 +731,7 @@ RELOADABLE: frozenset[str] = frozenset(
         "modes.smcr_v2",
         "smcr.max_conns",
         "smcr.max_links",
+        "namespaces.groups",
     }
 )
 """Keys a SIGHUP applies at run time (to new connections; existing ones keep what they

@@ -666,6 +666,9 @@ async def _conns(client: SmcdClient, args: argparse.Namespace) -> int:
         _print_json(conns)
         return 0
     headers = ["State", "UID", "Inode", "Local Address", "Peer Address", "Intf", "Mode"]
+    netns = any(c.get("Netns") for c in conns)
+    if netns:
+        headers.append("Netns")
     rows: list[list[object]] = []
     for c in conns:
         row: list[object] = [
@@ -677,6 +680,8 @@ async def _conns(client: SmcdClient, args: argparse.Namespace) -> int:
             c.get("NetDev") or "-",
             mode_text(c),
         ]
+        if netns:  # the handing process's network namespace when it is not smcd's (#15)
+            row.append(c.get("Netns") or "-")
         if args.debug:
             row += [
                 f"0x{int(c.get('Token', 0)):08x}",

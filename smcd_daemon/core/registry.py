@@ -221,6 +221,9 @@ class Connection:
     bytes_received: int = 0
     fallback_reason: int = 0
     peer_diagnosis: int = 0
+    netns: str = ""
+    """The network namespace of the process that handed the connection over, when it is not
+    smcd's own: its inode and the name ``ip netns`` gives it (#15)."""
 
 
 Record = LinkGroup | Link | Connection

@@ -192,7 +192,7 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
             "x = 1\n",
             "x = 1: unknown key 'x'; known keys: runtime_dir, handoff_socket, state_dir, "
             "log_level, peers, peer_detection, dbus, eid, buffers, quota, limits, timeouts, modes, "
-            "smcr",
+            "smcr, namespaces",
         ),
         (
             "[timeouts]\nclc = 3\n",

@@ -56,11 +56,13 @@ import hashlib, json, random, socket, sys, threading
 import smc_handoff
 addr, port = sys.argv[1], int(sys.argv[2])
 n, size, seed = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+base = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 out = [None] * n
 def run(i):
     data = random.Random(seed * 1000 + i).randbytes(size)
-    # the same source port in every namespace: identical 4-tuples
-    sock = smc_handoff.connect((addr, port), timeout=30, source_address=("", 41000 + i))
+    # base: the same source ports in every namespace, identical 4-tuples
+    src = ("", base + i) if base else None
+    sock = smc_handoff.connect((addr, port), timeout=30, source_address=src)
     fb, mode = sock.fallback, sock.mode
     sock.sendall(data)
     sock.shutdown(socket.SHUT_WR)
@@ -73,7 +75,12 @@ def run(i):
     sock.close()
     out[i] = {"mode": mode, "fallback": None if fb is None else fb.explanation,
               "sha": hashlib.sha256(data).hexdigest(), "n": size, "reply": json.loads(reply)}
-threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+def guarded(i):
+    try:
+        run(i)
+    except Exception as e:
+        out[i] = {"mode": "error", "error": repr(e)}
+threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
 print(json.dumps("ready"), flush=True)
 sys.stdin.readline()  # all clients start at once
 for t in threads:
@@ -157,7 +164,7 @@ def test_identical_addresses_in_two_namespace_pairs_pair_by_proof(
     for s in servers:
         assert line(s) == {"registered": True}
     clients = [
-        in_ns(a, CLIENT, "198.51.100.3", 5000, conns, size, k, handoff=smcd.handoff)
+        in_ns(a, CLIENT, "198.51.100.3", 5000, conns, size, k, 41000, handoff=smcd.handoff)
         for k, (a, _) in enumerate(pairs, 1)
     ]
     for c in clients:
@@ -251,3 +258,74 @@ def test_containers_of_one_host_get_loopback_ism(
     assert [r["mode"] for r in accepted] == ["smcd"] * conns, accepted
     for p in (srv, cli):
         assert p.wait(10) == 0
+
+
+HOLD = r"""
+import json, sys
+import smc_handoff
+sock = smc_handoff.connect((sys.argv[1], int(sys.argv[2])), timeout=30)
+fb = sock.fallback
+print(json.dumps({"mode": sock.mode, "fallback": None if fb is None else fb.explanation}),
+      flush=True)
+sys.stdin.readline()
+sock.sendall(b"held")
+sock.close()
+"""
+
+
+def test_conns_show_each_halfs_namespace(smcd: Smcd, host: dict[str, str]) -> None:
+    """``smcctl conns`` names the namespace of each half (inode and ``ip netns`` name)."""
+    srv = in_ns(host["b"], SERVER, "0.0.0.0", 5000, 1, "b", handoff=smcd.handoff)
+    assert line(srv) == {"registered": True}
+    cli = in_ns(host["a"], HOLD, "198.51.100.3", 5000, handoff=smcd.handoff)
+    assert line(cli)["mode"] == "smcd"
+    want = {
+        f"{os.stat(f'/run/netns/{host[k]}').st_ino} {host[k]}": role
+        for k, role in (("a", "CLIENT"), ("b", "SERVER"))
+    }
+    rows = smcd.wait_conns(
+        lambda rows: {r.get("Netns"): r["Role"] for r in rows if r["Mode"] == "SMCD"} == want
+    )
+    assert all(r["Uid"] == 0 and r["Pid"] > 0 for r in rows if r["Mode"] == "SMCD")
+    table = smcd.smcctl("conns")
+    assert table.returncode == 0 and "Netns" in table.stdout.splitlines()[0], table.stdout
+    assert all(name in table.stdout for name in want), table.stdout
+    assert cli.stdin is not None
+    cli.stdin.write("go\n")
+    cli.stdin.flush()
+    assert cli.wait(10) == 0
+    assert line(srv)["accepted"][0]["mode"] == "smcd"
+
+
+def test_a_policy_refuses_namespaces_outside_a_common_group(
+    smcd: Smcd, host: dict[str, str]
+) -> None:
+    """``namespaces.groups``: a and c may pair, b with neither; a refused pair stays on TCP
+    (both halves processed the Decline, so the stream is intact) and says why."""
+    smcd.reload(f'[namespaces]\ngroups = [["{host["a"]}", "{host["c"]}"]]\n')
+    try:
+        srv = in_ns(host["b"], SERVER, "0.0.0.0", 5000, 1, "b", handoff=smcd.handoff)
+        assert line(srv) == {"registered": True}
+        cli = in_ns(host["a"], CLIENT, "198.51.100.3", 5000, 1, 100_000, 3, handoff=smcd.handoff)
+        assert line(cli) == "ready"
+        assert cli.stdin is not None
+        cli.stdin.write("go\n")
+        cli.stdin.flush()
+        (got,) = line(cli)
+        assert got["mode"] == "tcp", got
+        assert "namespaces.groups puts the client's namespace" in got["fallback"], got
+        assert host["a"] in got["fallback"] and host["b"] in got["fallback"], got
+        assert got["reply"] == {"server": "b", "n": 100_000, "sha": got["sha"]}
+        assert line(srv)["accepted"][0]["mode"] == "tcp"
+        # a and c share a group: c listens, a connects (routed through r)
+        srv = in_ns(host["c"], SERVER, "0.0.0.0", 6000, 1, "c", handoff=smcd.handoff)
+        assert line(srv) == {"registered": True}
+        cli = in_ns(host["a"], CLIENT, "203.0.113.2", 6000, 1, 100_000, 4, handoff=smcd.handoff)
+        assert line(cli) == "ready"
+        cli.stdin.write("go\n")  # type: ignore[union-attr]
+        cli.stdin.flush()  # type: ignore[union-attr]
+        (got,) = line(cli)
+        assert got["mode"] == "smcd", got
+        assert got["reply"] == {"server": "c", "n": 100_000, "sha": got["sha"]}
+    finally:
+        smcd.reload()

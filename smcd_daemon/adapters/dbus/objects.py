@@ -246,6 +246,7 @@ class ConnectionObject(RecordInterface):
         "FallbackReason": "u",
         "PeerDiagnosis": "u",
         "FallbackName": "s",
+        "Netns": "s",
     }
 
 
@@ -284,6 +285,7 @@ def connection_values(conn: Connection, reason_name: Callable[[int], str]) -> di
         "FallbackReason": conn.fallback_reason,
         "PeerDiagnosis": conn.peer_diagnosis,
         "FallbackName": reason_name(conn.fallback_reason) if conn.fallback_reason else "",
+        "Netns": conn.netns,
     }
 
 

@@ -54,7 +54,7 @@ from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
 from smcd_daemon.adapters.netns_view import dnat_target, local_in
-from smcd_daemon.adapters.tcp_identity import connection_identity
+from smcd_daemon.adapters.tcp_identity import NetnsId, connection_identity, netns_name
 from smcd_daemon.core.handoff_pairs import IpAddress, Listener, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
 from smcd_daemon.protocol.negotiate import (
@@ -64,7 +64,7 @@ from smcd_daemon.protocol.negotiate import (
     ServerNegotiation,
     SmcdLoopbackOutcome,
 )
-from smcd_daemon.transport.loopback import Endpoint, PairingError, endpoint
+from smcd_daemon.transport.loopback import Endpoint, LoopbackSession, PairingError, endpoint
 from smcd_daemon.wire.cursor import Cursor
 from smcd_daemon.wire.reasons import DeclineReason
 
@@ -114,6 +114,44 @@ class Handshakes:
         self._facts_cache: dict[tuple[int, bool], NegotiationFacts] = {}
         self._ip_texts: dict[int, tuple[object, str, bool]] = {}
         self.arrivals = Arrivals()
+        self._ns_names: dict[int, str] = {}
+        server.loopback.policy = self._may_pair
+
+    def _netns(self, client: Client) -> NetnsId | None:
+        """The network namespace of the process that handed a connection over (its inode and
+        ``ip netns`` name, looked up once per inode), None if unknown (another pid namespace)."""
+        cred = client.cred
+        if cred is None or not cred.pid:
+            return None
+        try:
+            inode = os.stat(f"/proc/{cred.pid}/ns/net").st_ino
+        except OSError:
+            return None
+        name = self._ns_names.get(inode)
+        if name and name != "host" and not _named(name, inode):
+            name = None  # namespaces die and their inodes come back: the name went with it
+        if not name:
+            if len(self._ns_names) >= 1024:
+                self._ns_names.clear()
+            name = self._ns_names[inode] = "host" if inode == _OWN_NETNS else netns_name(inode)
+        return inode, name
+
+    def _may_pair(self, client: LoopbackSession, server: LoopbackSession) -> str | None:
+        """``namespaces.groups``: why the two proven halves may not pair (None: they may). A
+        namespace reaches itself; with no groups configured every one reaches every other."""
+        groups = self._srv.cfg.namespaces.groups
+        a, b = client.owner, server.owner
+        if not groups or (a is not None and b is not None and a[0] == b[0]):
+            return None
+        if a is None or b is None:
+            return "the network namespace of a half is unknown and namespaces.groups is set"
+        for group in groups:
+            if {str(a[0]), a[1]} & set(group) and {str(b[0]), b[1]} & set(group):
+                return None
+        return (
+            f"namespaces.groups puts the client's namespace {_ns_text(a)} and the server's "
+            f"{_ns_text(b)} in no common group"
+        )
 
     def reconfigure(self) -> None:
         """A reloaded configuration: what we offer is built anew."""
@@ -205,6 +243,7 @@ class Handshakes:
             "peer_port": peer[1],
             "netdev": "lo" if peer_lo else "",
             "uid": cred.uid if cred else 0,
+            "netns": _ns_text(ns) if (ns := self._netns(client)) and ns[0] != _OWN_NETNS else "",
             "pid": cred.pid if cred else 0,
             "inode": tcp.inode,
             **_ZERO_CURSORS,
@@ -394,7 +433,7 @@ class Handshakes:
             if not_yet is not None:
                 return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
         session = srv.loopback.session(
-            client.uid, tcp.local, tcp.peer, server=False, key=key, owner=client
+            client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
         )
         facts = self._facts(hint, peer_speaks_smc=why is not None)
         if why is not None:
@@ -437,7 +476,7 @@ class Handshakes:
         if service is not None:
             return await self._run_smcr(client, hint, tcp, service, server=True)
         session = srv.loopback.session(
-            client.uid, tcp.local, tcp.peer, server=True, key=key, owner=client
+            client.uid, tcp.local, tcp.peer, server=True, key=key, owner=self._netns(client)
         )
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
         if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
@@ -496,6 +535,17 @@ class Handshakes:
             f"(quota.connections allows {quota.connections or 'any number'}, "
             f"quota.buffer_bytes {quota.buffer_bytes >> 10 if quota.buffer_bytes else 'any'} KiB)"
         )
+
+
+def _named(name: str, inode: int) -> bool:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino == inode
+    except OSError:
+        return False
+
+
+def _ns_text(ns: NetnsId) -> str:
+    return f"{ns[0]} {ns[1]}" if ns[1] else str(ns[0])
 
 
 def _must_abort(outcome: FallbackOutcome) -> bool:
