@@ -43,17 +43,22 @@ def pattern(n: int) -> bytes:
     return bytes(range(PERIOD)) * (n // PERIOD)
 
 
+BIND = os.environ.get("USER_APP_BIND", "127.0.0.1")
+PEER = os.environ.get("USER_APP_PEER", "127.0.0.1")
+"""Where servers listen and clients connect (bench/netns_bridge.py: two network namespaces)."""
+
+
 def listen() -> socket.socket:
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind(("127.0.0.1", 0))
+    lsock.bind((BIND, 0))
     lsock.listen(512)
     print(f"PORT {lsock.getsockname()[1]}", flush=True)
     return lsock
 
 
 def connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.create_connection((PEER, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
