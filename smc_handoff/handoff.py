@@ -47,6 +47,7 @@ longer timers needs ``$SMCD_HANDOFF_TIMEOUT`` raised with them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -60,7 +61,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from smc_handoff import messages
+from smc_handoff import messages, peer_option
 from smc_handoff.messages import Fallback
 
 if TYPE_CHECKING:
@@ -317,8 +318,10 @@ def _settle(
     what: str,
     *,
     trusted: bool = False,
+    ours: bool = True,
 ) -> Fallback:
-    """The fallback, when the stream allows it (see the module docstring); else the error."""
+    """The fallback, when the stream allows it (see the module docstring); else the error.
+    ``ours``: the library decided it (no FALLBACK from the daemon)."""
     after = StreamMark.take(sock)
     untouched = after.untouched_since(before)
     outcome = f"smcd: {what} ended in {fallback.name}"
@@ -326,7 +329,23 @@ def _settle(
         raise _abort(sock, errno.ECONNRESET, f"{outcome} after {after.describe_since(before)}")
     if (server_side or not untouched) and clc_at_head(sock):
         raise _abort(sock, errno.ECONNRESET, f"{outcome} with CLC bytes waiting to be read")
+    if ours and untouched and not server_side:
+        return _decline_first(sock, fallback)
     return fallback
+
+
+def _decline_first(sock: _socket.socket, fallback: Fallback) -> Fallback:
+    """A client half falls back with no daemon's word on an untouched stream: if the peer's
+    SYN-ACK carried the SMC option it waits for CLC, so it gets a Decline first, as from the
+    kernel's client (:mod:`smc_handoff.peer_option`); a Decline that cannot go out whole resets
+    the connection."""
+    if not peer_option.peer_waits_for_clc(sock):
+        return fallback
+    if not peer_option.send_decline(sock, fallback.code):
+        raise _abort(sock, errno.ECONNRESET, f"smcd: {fallback.name}: the Decline to the SMC "
+                     "peer (its SYN-ACK carried the option) did not go out")  # fmt: skip
+    why = f"{fallback.explanation}; the peer showed the SMC TCP option: declined before TCP"
+    return dataclasses.replace(fallback, explanation=why[:1024], after_decline=True)
 
 
 def _unsent(sock: _socket.socket, server_side: bool, fallback: Fallback, what: str) -> Fallback:
@@ -335,7 +354,7 @@ def _unsent(sock: _socket.socket, server_side: bool, fallback: Fallback, what: s
     if server_side and clc_at_head(sock):
         text = f"smcd: {what} ended in {fallback.name} with CLC bytes waiting to be read"
         raise _abort(sock, errno.ECONNRESET, text)
-    return fallback
+    return fallback if server_side else _decline_first(sock, fallback)
 
 
 def hand_over(
@@ -392,7 +411,8 @@ def hand_over(
     ctl.close()
     messages.close_fds(fds)
     if isinstance(reply, Fallback):
-        return _settle(sock, before, server_side, reply, what, trusted=reply.after_decline)
+        return _settle(sock, before, server_side, reply, what, trusted=reply.after_decline,
+                       ours=False)  # fmt: skip
     return _settle(sock, before, server_side, unexpected(reply, what), what)
 
 

@@ -6,17 +6,40 @@ option kind 254 with magic 0xE2D4C3D9, as the kernel's AF_SMC does, and lets the
 whether the peer's SYN-ACK answered with it. Only sockets that will be handed to smcd ask: a
 kernel SMC server that sees the option waits for a CLC Proposal. Without a detector the kernel
 answers ENOPROTOOPT and nothing changes (the daemon then uses its ``peers``).
+
+A peer that answered with the option waits for CLC (a kernel AF_SMC server reads the first
+bytes as a Proposal). When the library falls back without the daemon having touched the stream
+(no daemon, a full handoff queue, a daemon lost before it read the request) it asks the
+detector with ``getsockopt(SOL_SMCD, SMCD_OPT_STATE)`` (:func:`peer_waits_for_clc`) and then
+writes a CLC Decline itself (:func:`clc_decline`), as the kernel's client declines before it
+falls back: the peer consumes it and falls back too, and the stream stays clean.
 """
 
 from __future__ import annotations
 
+import os
 import socket as _socket
+import struct
 from typing import Any
 
-__all__ = ["SMCD_OPT_WANT", "SOL_SMCD", "create_connection", "request_option"]
+__all__ = [
+    "SMCD_OPT_STATE",
+    "SMCD_OPT_WANT",
+    "SOL_SMCD",
+    "clc_decline",
+    "create_connection",
+    "peer_waits_for_clc",
+    "request_option",
+    "send_decline",
+]
 
 SOL_SMCD = 0x534D43  # the daemon's cgroup setsockopt program answers this level
 SMCD_OPT_WANT = 1
+SMCD_OPT_STATE = 2  # getsockopt: the socket's flags as the BPF program recorded them
+_F_PEER, _F_DONE = 0x04, 0x08  # the peer's SYN-ACK carried the option; the handshake is done
+_EYECATCHER = b"\xe2\xd4\xc3\xd9"  # "SMC-R" in EBCDIC: what the kernel writes in a Decline
+_DECLINE = 4  # CLC message type
+_OS_LINUX = 2  # SMC_CLC_OS_LINUX
 
 
 def request_option(sock: _socket.socket) -> bool:
@@ -59,3 +82,39 @@ def create_connection(
     if err is not None:
         raise err
     raise OSError(f"getaddrinfo returned nothing for {host!r}")
+
+
+def peer_waits_for_clc(sock: _socket.socket) -> bool:
+    """Did the SYN-ACK of this (marked, connected) client socket carry the SMC option? False
+    when no detector answers (ENOPROTOOPT) or nothing was recorded."""
+    try:
+        raw = _socket.socket.getsockopt(sock, SOL_SMCD, SMCD_OPT_STATE, 4)
+    except OSError:
+        return False
+    if len(raw) != 4:
+        return False
+    flags = int.from_bytes(raw, "little")
+    return flags & (_F_PEER | _F_DONE) == _F_PEER | _F_DONE
+
+
+def clc_decline(code: int, version: int = 2) -> bytes:
+    """A CLC Decline (``struct smc_clc_msg_decline``): v1 28 bytes, v2 44 (four zero
+    diagnosis words, OS type Linux); id_for_peer zero, not out of sync; ``code`` the reason."""
+    v2 = version >= 2
+    length = 44 if v2 else 28
+    head = _EYECATCHER + struct.pack(">BHB", _DECLINE, length, (2 if v2 else 1) << 4)
+    body = bytes(8) + struct.pack(">IB3x", code, _OS_LINUX << 4 if v2 else 0)
+    return head + body + (bytes(16) if v2 else b"") + _EYECATCHER
+
+
+def send_decline(sock: _socket.socket, code: int) -> bool:
+    """Write :func:`clc_decline` on the connected ``sock`` at once, without blocking (a fresh
+    connection's send buffer takes it whole); False if it did not go out whole (the caller
+    resets the connection: part of a Decline would corrupt the stream)."""
+    data = clc_decline(code)
+    try:
+        with _socket.socket(fileno=os.dup(_socket.socket.fileno(sock))) as dup:
+            sent = dup.send(data, _socket.MSG_DONTWAIT | _socket.MSG_NOSIGNAL)
+    except OSError:
+        return False
+    return sent == len(data)

@@ -48,7 +48,7 @@ SMC_OPTION = bytes((254, 6, 0xE2, 0xD4, 0xC3, 0xD9))  # kind, length, magic
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN, _CAP_BPF = 12, 21, 39
 _OBJECT = "smc_option.bpf.o"
-_PROGRAMS = ("smc_sockops", "smc_setsockopt")
+_PROGRAMS = ("smc_sockops", "smc_setsockopt", "smc_getsockopt")
 
 
 class Flag(IntFlag):

@@ -4,12 +4,14 @@
  * 0xE2D4C3D9) written on the SYN and SYN-ACK of connections smcd will handle, and the peer's
  * option recorded per socket so that smcd can decide before writing a CLC byte.
  *
- * Two programs, both attached to one cgroup v2 (every socket created below it is covered):
+ * Three programs, all attached to one cgroup v2 (every socket created below it is covered):
  *
  *   smc_setsockopt  cgroup/setsockopt.  An application that wants SMC on a socket says so with a
  *                   private setsockopt(SOL_SMCD, SMCD_OPT_WANT) before connect(); the program
  *                   records the wish in the socket's local storage and hides the call from the
  *                   kernel (without the program the kernel answers ENOPROTOOPT: "no detection").
+ *   smc_getsockopt  cgroup/getsockopt.  getsockopt(SOL_SMCD, SMCD_OPT_STATE) answers the
+ *                   socket's flags, so the library can ask what the peer showed.
  *   smc_sockops     sockops.  Writes and reads the option:
  *       TCP_CONNECT_CB     a wished-for socket asks for the header-option callbacks; no other
  *                          socket ever does, so a plain client's SYN is never touched.
@@ -51,6 +53,7 @@
 /* The private setsockopt: level "SMC" in ASCII, far from any level the kernel knows. */
 #define SOL_SMCD 0x534d43
 #define SMCD_OPT_WANT 1
+#define SMCD_OPT_STATE 2 /* getsockopt: the socket's flags (below) */
 
 /* Per-socket flags (struct smc_sk.flags); the Python side mirrors these values. */
 #define F_WANT 0x01  /* the application asked for SMC: our SYN carries the option */
@@ -323,6 +326,34 @@ int smc_setsockopt(struct bpf_sockopt *ctx)
 		return 0;
 	st->flags |= F_WANT;
 	ctx->optlen = -1; /* handled here: the kernel's setsockopt does not run */
+	return 1;
+}
+
+/*
+ * The library's own question, asked when it falls back without the daemon (none running, a
+ * full handoff queue, a daemon lost before it read the request): did the peer show the option
+ * (then it waits for CLC and must get a Decline first)? getsockopt(SOL_SMCD, SMCD_OPT_STATE)
+ * answers the socket's flags as a __u32 (0: nothing recorded). Without the program the kernel's
+ * ENOPROTOOPT stands. Any other getsockopt passes through untouched.
+ */
+SEC("cgroup/getsockopt")
+int smc_getsockopt(struct bpf_sockopt *ctx)
+{
+	struct bpf_sock *sk = ctx->sk;
+	__u8 *optval = ctx->optval;
+	__u8 *optval_end = ctx->optval_end;
+	struct smc_sk *st;
+
+	if (ctx->level != SOL_SMCD || ctx->optname != SMCD_OPT_STATE)
+		return 1; /* not ours: the kernel's answer stands */
+	if (!sk || optval + sizeof(__u32) > optval_end)
+		return 1;
+	st = bpf_sk_storage_get(&smc_sk_state, sk, 0, 0);
+	*(__u32 *)optval = st ? st->flags : 0;
+	ctx->optlen = sizeof(__u32);
+	/* two 32-bit context stores, never merged into one 64-bit store (the verifier refuses) */
+	asm volatile("" ::: "memory");
+	ctx->retval = 0;
 	return 1;
 }
 

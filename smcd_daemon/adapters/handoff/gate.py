@@ -49,6 +49,7 @@ from smcd_daemon.core.admission import Admission, Denied, Limits
 from smcd_daemon.wire.reasons import DeclineReason, LocalReason
 
 from .common import fallback_message, log
+from .predecline import refused_accept, refused_connect
 
 if TYPE_CHECKING:
     from .common import Client, PeerCred
@@ -185,7 +186,7 @@ class Gate:
             try:
                 ep.register(fd, select.EPOLLIN)
             except OSError:
-                _answer(conn, denied)
+                _answer(conn, denied, self._srv)
                 return
             conn.detach()
             self.parked[fd] = uid
@@ -193,7 +194,7 @@ class Gate:
             self._parked_by[uid] = mine + 1
             self._park_peak = max(self._park_peak, len(self.parked))
             return
-        _answer(conn, denied)
+        _answer(conn, denied, self._srv)
 
     def _park_events(self) -> None:
         ep = self._park_ep
@@ -221,7 +222,7 @@ class Gate:
                 pass
         conn = socket.socket(fileno=fd)
         if answer:
-            _answer(conn, denied)
+            _answer(conn, denied, self._srv)
         else:
             conn.close()
         if not self.parked and self._park_peak >= _TRIM_AFTER:
@@ -249,25 +250,38 @@ class Gate:
         self.admission.disconnect(client.uid, pending=pending)
 
 
-def _answer(conn: socket.socket, denied: Denied) -> None:
+def _answer(conn: socket.socket, denied: Denied, srv: HandoffServer | None = None) -> None:
     """Answer a refused connection with its FALLBACK and close it. What the client sent is read
     first (and its descriptors closed): closing a socket with unread data makes the peer's next
-    read fail with ECONNRESET before it could read the answer."""
+    read fail with ECONNRESET before it could read the answer. Toward a peer that showed the
+    SMC option a CONNECT is declined first, an ACCEPT answered once its client's Proposal is
+    declined (:mod:`.predecline`)."""
+    later = False
     try:
         conn.setblocking(False)
+        reply = fallback_for(denied)
         for _ in range(8):
             try:
-                _msg, fds = m.recv_message(conn, requests=True)
+                msg, fds = m.recv_message(conn, requests=True)
             except m.HandoffProtocolError:
                 continue  # read, and its descriptors closed: nothing else to do with it
             except BlockingIOError:
                 break  # all read
+            if srv is not None and fds and isinstance(msg, m.Connect):
+                if refused_connect(srv.detection, fds[0], reply.code):
+                    reply = fallback_message(reply.code, denied.detail, after_decline=True)
+            elif srv is not None and fds and isinstance(msg, m.Accept):
+                later = refused_accept(srv, conn, fds[0], reply)
+                if later:
+                    fds = fds[1:]  # handed over with ``conn``
             m.close_fds(fds)
-        m.send_message(conn, fallback_for(denied))
+        if not later:
+            m.send_message(conn, reply)
     except (OSError, m.HandoffClosedError):
         pass  # the client is gone
     finally:
-        conn.close()
+        if not later:
+            conn.close()
 
 
 def _malloc_trim() -> None:

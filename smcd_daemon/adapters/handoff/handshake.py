@@ -23,7 +23,9 @@ SMC-R
 Admission
     Before anything is read or written, the handshake is admitted (:mod:`.gate`): a user at their
     cap of handshakes in flight, past their fair share of a full daemon, or any user while the
-    event loop runs late, gets a FALLBACK (MAX_DMB or DAEMON_BUSY) with the stream untouched.
+    event loop runs late, gets a FALLBACK (MAX_DMB or DAEMON_BUSY) with the stream untouched,
+    except toward a peer that showed the SMC TCP option: it waits for CLC and is declined first
+    (:mod:`.predecline`).
 Same-host pairs
     Toward a listener registered here the client half proposes only once the server half is in
     the daemon (:mod:`.arrivals`); otherwise it falls back before any CLC byte.
@@ -72,6 +74,7 @@ from .arrivals import Arrivals
 from .channels import Draft
 from .common import Client, Refused, clip, fallback_message, log, reason_name
 from .gate import fallback_for, warn
+from .predecline import refused
 
 if TYPE_CHECKING:
     from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
@@ -274,14 +277,17 @@ class Handshakes:
         assert srv.loop is not None
         denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
         if denied is not None:  # before any CLC byte: the stream is the application's
-            tcp.close()
             if role is ConnRole.SERVER:
                 self.arrivals.server_gone(key, fell_back=True, why=denied.detail)
             warn.info(f"busy-{denied.refusal.name.lower()}", "handoff: %s: %s refused: %s",
                       client.label, req.TYPE.name, denied.detail)  # fmt: skip
-            fb = fallback_for(denied)
-            return self.reply_fallback(client, draft, FallbackOutcome(fb.code, None, True,
-                                                                      denied.detail))  # fmt: skip
+            fb = fallback_for(denied)  # a peer that showed the SMC option is declined (#11)
+            try:
+                out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
+                                           code=fb.code, detail=denied.detail)  # fmt: skip
+            finally:
+                tcp.close()
+            return self.reply_fallback(client, draft, out, aborted=reset)
         try:
             if role is ConnRole.CLIENT:
                 outcome = await self._run_client(client, req.dmb_size, tcp, key)
@@ -458,7 +464,9 @@ class Handshakes:
         if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
             detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
-        wait = srv.cfg.timeouts.proposal_wait
+        # a client whose SYN carried the option sends CLC (a Proposal, or a Decline when it
+        # falls back): wait for it as the kernel does, up to the CLC timer (#11)
+        wait = srv.cfg.timeouts.clc_wait if detected else srv.cfg.timeouts.proposal_wait
         seen = await peek_proposal(tcp, wait)
         if seen.kind == "silent" and (self.arrivals.proposed(key) or srv.backlogged()):
             # our client half is proposing right now (it saw us here), or may still wait in
