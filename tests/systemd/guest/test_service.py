@@ -351,7 +351,7 @@ def _memfd_holders() -> list[str]:
 
 
 #: smcd's peer-detection programs (smcd_daemon/adapters/bpf/smc_option.bpf.c).
-SMCD_BPF_PROGRAMS = {"smc_sockops", "smc_setsockopt"}
+SMCD_BPF_PROGRAMS = {"smc_sockops", "smc_setsockopt", "smc_getsockopt"}
 
 
 def test_stop_leaves_no_socket_memfd_or_bpf_program() -> None:
