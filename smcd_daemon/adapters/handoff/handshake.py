@@ -473,9 +473,14 @@ class Handshakes:
             # the daemon's listen queue (a busy daemon): wait for it, up to the CLC timer
             seen = await peek_proposal(tcp, srv.cfg.timeouts.clc_wait)
         if seen.kind != "smc":
+            timer = (
+                "timeouts.clc_wait: its SYN carried the option"
+                if detected
+                else "timeouts.proposal_wait"
+            )
             detail = {
                 "not-smc": "the client's first bytes are not a CLC Proposal: a plain TCP client",
-                "silent": f"no CLC Proposal within {wait:g} s (timeouts.proposal_wait): a plain "
+                "silent": f"no CLC Proposal within {wait:g} s ({timer}): a plain "
                 "TCP client, or one that waits for the server to speak first",
                 "eof": "the client closed the connection without proposing SMC",
             }[seen.kind]
