@@ -100,6 +100,8 @@ _SIOCOUTQ = termios.TIOCOUTQ
 _INT = struct.Struct("i")
 _INT0 = bytes(_INT.size)
 _TCP_CLOSE = 7
+_TCP_REPAIR = 19  # linux/tcp.h; reading it needs no privilege
+_TCP_REPAIR_OFF_NO_WP = -1
 _UNKNOWN = -1  # StreamMark.state when the kernel does not say
 _FIN_RECEIVED = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
 _BUSY_RETRY = 0.01
@@ -197,6 +199,24 @@ class StreamMark:
             return "the TCP connection was closed"
         wrote, read = self.written - before.written, self.consumed - before.consumed
         return f"{wrote} bytes written and {read} read by someone else"
+
+
+def in_repair(sock: _socket.socket) -> bool:
+    """The socket is in TCP repair mode (the daemon reads a connection's identity in it)."""
+    try:
+        return bool(sock.getsockopt(_TCP, _TCP_REPAIR))
+    except OSError:
+        return False
+
+
+def leave_repair(sock: _socket.socket) -> bool:
+    """Take the socket out of repair mode without a window probe (needs CAP_NET_ADMIN, as the
+    daemon that put it there had); False when we may not."""
+    try:
+        sock.setsockopt(_TCP, _TCP_REPAIR, _TCP_REPAIR_OFF_NO_WP)
+    except OSError:
+        return False
+    return not in_repair(sock)
 
 
 def clc_at_head(sock: _socket.socket) -> bool:
@@ -327,6 +347,10 @@ def _settle(
     outcome = f"smcd: {what} ended in {fallback.name}"
     if not untouched and not trusted:
         raise _abort(sock, errno.ECONNRESET, f"{outcome} after {after.describe_since(before)}")
+    if in_repair(sock) and not leave_repair(sock):
+        # a daemon that died while it read the connection's sequence numbers left the socket in
+        # repair mode, where nothing it sends leaves, and we may not take it out: an error
+        raise _abort(sock, errno.ECONNRESET, f"{outcome} with the socket left in TCP repair mode")
     if (server_side or not untouched) and clc_at_head(sock):
         raise _abort(sock, errno.ECONNRESET, f"{outcome} with CLC bytes waiting to be read")
     if ours and untouched and not server_side:
