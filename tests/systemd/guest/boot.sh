@@ -14,8 +14,15 @@ out="/$(arg virtme_initmount0)"
 fstype="$(arg virtme_initmount0_fstype)"
 repo="$1"
 echo "smcd-systemd-vm: results in $out ($fstype), checkout $repo"
-# /tmp first (the result directory usually lives under the host's /tmp).
+# /tmp first (the result directory usually lives under the host's /tmp). A checkout under /tmp
+# (CI clones anywhere) would vanish under that tmpfs: hold it by a bind mount, put it back after.
+case "$repo" in
+    /tmp/*) mkdir -p /run/smcd-vm-repo && mount --bind "$repo" /run/smcd-vm-repo ;;
+esac
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+case "$repo" in
+    /tmp/*) mkdir -p "$repo" && mount --bind /run/smcd-vm-repo "$repo" ;;
+esac
 mkdir -p "$out"
 if [ "$fstype" = virtiofs ]; then
     mount -t virtiofs virtme.initmount0 "$out"
