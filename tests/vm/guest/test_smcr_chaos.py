@@ -17,8 +17,8 @@ SIGKILL, as each restart costs most of a minute):
 1. ``warm`` — small messages until the first SMC-R connection is through;
 2. ``kill`` — the even client threads move large messages, the odd ones mostly handshake;
    once an even one is 64 KiB into an SMC-R transfer, daemon b is SIGKILLed (what every
-   thread was doing at that moment is printed) and restarted, the load going on meanwhile
-   (connections find no daemon on b's side);
+   thread was doing at that moment is printed); the load goes on for :data:`DOWN_S`
+   (connections meet a server application without its daemon), then pauses while b restarts;
 3. ``recover`` — until an SMC-R connection is through again (the new b, a new link group);
 4. ``freeze`` — as 2; daemon b is SIGSTOPped for :data:`FREEZE_S` and continued;
 5. ``post`` — until an SMC-R connection is through on the continued daemon.
@@ -57,6 +57,8 @@ with no progress."""
 IO_S = 20.0
 HANDOFF_S = 45.0
 FREEZE_S = 4.0
+DOWN_S = 4.0
+"""How long the load goes on while daemon b is dead (then it pauses for b's start-up)."""
 RECOVER_S = 90.0
 """How long a phase waits for an SMC-R connection after a restart (a new link group: first
 contact under TCG)."""
@@ -208,6 +210,9 @@ def worker(i):
     rng = random.Random(seed * 100 + i)
     while not state["stop"]:
         ph, size = state["phase"], state["size"]
+        if size == "idle":
+            time.sleep(0.1)
+            continue
         active[i] = (time.monotonic(), ph)
         try:
             one(i, rng, ph, size)
@@ -441,6 +446,8 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
         proc.wait(30)
         note(f"SIGKILL smcd b (pid {proc.pid}); client threads at that moment: {fired[5:]}")
         (scratch / "smcd-b-killed.log").write_text(b.log_text())
+        time.sleep(DOWN_S)  # connections meet a server application without its daemon
+        phase("restart", "idle")  # a start-up under load takes twice as long under TCG
         b.smcd.launch()
         assert b.smcd.proc is not None
         b.proc = b.smcd.proc
