@@ -6,13 +6,13 @@ A client application on host A (192.0.2.1, its daemon ``a``) runs threads in con
 close loops against an echo server application on host B (192.0.2.2, daemon ``b``); every
 connection carries one message each way: a 4-byte length, that many random bytes and their
 SHA-256. The server checks what it got and echoes it; the client checks the echo. The rule
-(README, "Handoff"): every connection ends as an SMC-R channel with byte-exact data, as TCP with
-byte-exact data (never beginning with a CLC eyecatcher: the daemons' protocol bytes read as
-data), or as an OSError. A connection still going after :data:`HANG_S` is hung; every wait of
-the applications and of this test is bounded.
+(README, "The handoff protocol"): every connection ends as an SMC-R channel with byte-exact
+data, as TCP with byte-exact data (never beginning with a CLC eyecatcher: the daemons'
+protocol bytes read as data), or as an OSError. A connection still going after :data:`HANG_S`
+is hung; every wait of the applications and of this test is bounded.
 
-The timeline (~90 s of test time, as much again for the daemons' start-up under TCG; one
-SIGKILL, as each restart costs most of a minute):
+The timeline (one SIGKILL: a daemon's start-up under TCG is what the test's time goes to;
+about a minute in all on a quiet host, the two daemons' start-up half of it):
 
 1. ``warm`` — small messages until the first SMC-R connection is through;
 2. ``kill`` — the even client threads move large messages, the odd ones mostly handshake;
