@@ -203,10 +203,16 @@ def send_streams(
         server.settimeout(10)
         try:
             expected = b"".join(messages)
-            for msg in messages:
-                client.sendall(msg)
-            client.shutdown(socket.SHUT_WR)
             got = bytearray()
+            for msg in messages:
+                # one message in flight at a time: each leaves in its own segment, however busy
+                # the machine (autocorking would otherwise merge them, and a PDU cut across two
+                # segments is where the 4.0 dissector goes astray)
+                client.sendall(msg)
+                want = len(got) + len(msg)
+                while len(got) < want and (chunk := server.recv(want - len(got))):
+                    got += chunk
+            client.shutdown(socket.SHUT_WR)
             while chunk := server.recv(65536):
                 got += chunk
             if bytes(got) != expected:
