@@ -769,6 +769,12 @@ def test_client_without_the_reused_link_group_declines_syncerr_out_of_sync() -> 
     assert d.diagnosis == R.SYNCERR and d.out_of_sync
     assert isinstance(sn2.outcome, FallbackOutcome) and sn2.outcome.out_of_sync
     assert isinstance(cn2.outcome, FallbackOutcome) and cn2.outcome.reason == R.SYNCERR
+    # the server terminates the link group the client no longer has (the kernel's
+    # smc_lgr_terminate_sched), so the next connection is a first contact, not SYNCERR again
+    assert not s.groups
+    cn3, sn3, _ = run(c, s)
+    co3, so3 = outcomes(cn3, sn3)
+    assert so3.first_contact and co3.first_contact
 
 
 def test_link_group_creation_failure_is_interr_or_the_resources_code() -> None:

@@ -66,6 +66,7 @@ class Ledger:
         self._new_link: int | None = None
         self._rmb: RmbGrant | None = None
         self._new_lgr: int | None = None
+        self._reused_lgr: int | None = None
 
     # ---- loopback-ism ----------------------------------------------------------------------
 
@@ -122,6 +123,19 @@ class Ledger:
         self._new_lgr = first.lgr_id
         return first
 
+    def reuse_link_group(self, lgr_id: int) -> None:
+        """This connection joins an existing link group (no first contact)."""
+        self._reused_lgr = lgr_id
+
+    def peer_out_of_sync(self) -> None:
+        """The peer's Decline said it has no such link group (the out-of-sync bit): a link group
+        we offered for reuse is dead on its side, so it goes here too, as the kernel's
+        ``smc_lgr_terminate_sched`` (else every later connection is offered it again)."""
+        if self._reused_lgr is not None:
+            with contextlib.suppress(SmcError):
+                self._smcr().discard_link_group(self._reused_lgr)
+            self._reused_lgr = None
+
     def allocate_rmb(self, lgr_id: int, link_id: int, size: int) -> RmbGrant:
         try:
             grant = self._smcr().allocate_rmb(lgr_id, link_id, size)
@@ -160,6 +174,7 @@ class Ledger:
         self._local_token = self._peer_token = self._new_link = None
         self._rmb = None
         self._new_lgr = None
+        self._reused_lgr = None
 
 
 class Negotiation:
@@ -319,5 +334,7 @@ class Negotiation:
 
     def _peer_declined(self, msg: Decline) -> Step:
         self.ledger.release()
+        if msg.out_of_sync:
+            self.ledger.peer_out_of_sync()
         why = f"; {self._link_failure[1]}" if self._link_failure else ""
         return self._finish(Step((), peer_decline_fallback(msg, why)))

@@ -261,6 +261,7 @@ def connect_rdma(
             )
         group, link = found
         lgr_id, link_id, qpn, psn, mtu = group.lgr_id, link.link_id, link.qpn, link.psn, link.mtu
+        ledger.reuse_link_group(lgr_id)
         local, mac = _reused(choice, link.gid), link.mac
     grant = ledger.allocate_rmb(lgr_id, link_id, f.rmb_size)
     first_v2 = version == 2 and msg.first_contact
@@ -438,6 +439,7 @@ def _listen_rdma_init(
             if link is None:
                 raise Refusal(DeclineReason.NOACTLINK, f"link {link_id} of {group.lgr_id} is gone")
             lgr_id, first_contact = group.lgr_id, False
+            ledger.reuse_link_group(lgr_id)
             qpn, psn, mtu, mac = link.qpn, link.psn, link.mtu, link.mac
             choice = _reused(choice, link.gid)
         else:
