@@ -600,5 +600,9 @@ def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratc
         answered = [t for t, resp in from_us if t.startswith(kind) and resp]
         if kind == "DELETE_RKEY" and not asked:
             continue  # the kernel keeps the RMB (seen dropped on 6.1: answered then)
+        if kind == "CONFIRM_RKEY" and not asked:
+            # the kernel reused a free RMB of that size its link group had confirmed already (an
+            # earlier test's connection left one): nothing new to confirm
+            continue
         assert asked, f"the kernel sent no {kind} request: {from_kernel}"
         assert len(answered) >= len(asked), f"smcd answered {answered} of {asked}: {from_us}"
