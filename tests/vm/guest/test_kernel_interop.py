@@ -601,8 +601,8 @@ def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratc
         if kind == "DELETE_RKEY" and not asked:
             continue  # the kernel keeps the RMB (seen dropped on 6.1: answered then)
         if kind == "CONFIRM_RKEY" and not asked:
-            # the kernel reused a free RMB of that size its link group had confirmed already (an
-            # earlier test's connection left one): nothing new to confirm
+            # no new RMB to confirm: a first contact (a fresh link group) carries the RMB's rkey
+            # in CONFIRM LINK, and a free RMB of that size is reused without one
             continue
         assert asked, f"the kernel sent no {kind} request: {from_kernel}"
         assert len(answered) >= len(asked), f"smcd answered {answered} of {asked}: {from_us}"
