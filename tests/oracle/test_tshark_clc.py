@@ -104,6 +104,15 @@ def _proposals() -> list[ClcCase]:
                 eids=("SMC-EID-TEST",), release=1, roce_gid=GID_V2, max_conns=16, max_links=1
             ),
         ),
+        # v2-only SMC-R (no v1 path), as version 2 and as a later version the kernel treats as 2
+        "proposal-v2-N-R": Proposal(
+            typev1=SmcType.N, typev2=SmcType.R, version=2, peer_id=PEER_ID, gid=GID_V1, mac=MAC,
+            v2_ext=V2Extension(eids=("SMC-EID-TEST",), release=1, roce_gid=GID_V2),
+        ),
+        "proposal-v13-N-R": Proposal(
+            typev1=SmcType.N, typev2=SmcType.R, version=13, peer_id=PEER_ID, gid=GID_V1, mac=MAC,
+            v2_ext=V2Extension(eids=("SMC-EID-TEST",), release=1, roce_gid=GID_V2),
+        ),
         "proposal-v2-D-D-loopback": Proposal(
             typev1=SmcType.D, typev2=SmcType.D, version=2, peer_id=bytes(8),
             ism_gid=ISM_DEV.gid, ip_prefixes=v4,
@@ -339,8 +348,13 @@ def test_proposal(clc: ClcDecode, case: ClcCase) -> None:
     has_d = p.typev1.has_d or (v2 and p.typev2.has_d)
     if has_r:
         assert pdu.num("smc.proposal.sender.client.peer.id", 8) == _u(p.peer_id)
-        assert pdu.ip("smc.proposal.client.preferred.gid", 16) == ipaddress.IPv6Address(p.gid)
-        assert pdu.mac("smc.proposal.client.preferred.mac", 32) == p.mac
+        if p.typev1.has_r:
+            assert pdu.ip("smc.proposal.client.preferred.gid", 16) == ipaddress.IPv6Address(p.gid)
+            assert pdu.mac("smc.proposal.client.preferred.mac", 32) == p.mac
+        else:
+            # v2-only SMC-R (no v1 path): Wireshark 4.0 names the peer ID but shows the v1
+            # area's GID and MAC as reserved
+            assert pdu.get("smc.reserved", 16).raw() == p.gid + p.mac
     else:
         # SMC-D only: Wireshark shows the SMC-R identity fields (peer ID, GID, MAC) as reserved.
         assert pdu.get("smc.reserved", 8).raw() == p.peer_id
