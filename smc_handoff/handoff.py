@@ -75,6 +75,7 @@ __all__ = [
     "NoDaemon",
     "Registration",
     "StreamMark",
+    "answer_late_proposal",
     "clc_at_head",
     "connect_daemon",
     "daemon_exited",
@@ -233,6 +234,59 @@ def clc_at_head(sock: _socket.socket) -> bool:
         if timeout:
             _BaseSocket.settimeout(sock, timeout)
     return bool(head) and any(eye.startswith(head) for eye in CLC_EYECATCHERS)
+
+
+NOSMCDEV = 0x03030000
+"""SMC_CLC_DECL_NOSMCDEV: what a server that cannot do SMC now answers a Proposal with."""
+_LATE_CLC_WAIT = 5.0
+"""Seconds to read the rest of a Proposal whose head arrived (its sender wrote it whole)."""
+
+
+def answer_late_proposal(sock: _socket.socket) -> bool:
+    """The first read of a server half that stayed on TCP without a Decline exchange: a client
+    whose daemon proposed (a configured peer, a Proposal sent while this host's daemon was
+    down or refused us) writes its Proposal first, before any of its application's bytes. Read
+    it and answer with a Decline, as a kernel server without SMC does, so that the client's
+    side falls back cleanly and both applications see only each other's bytes. True when
+    decided (the stream does not start with CLC, or the Proposal was answered); False when no
+    byte is there yet (a non-blocking socket: ask again at the next read). A Proposal that
+    cannot be read whole or answered resets the connection (ConnectionResetError)."""
+    try:
+        head = _BaseSocket.recv(sock, 8, _socket.MSG_PEEK)  # as the application's read would wait
+    except (BlockingIOError, InterruptedError):
+        return False
+    if not head or not any(eye.startswith(head[:4]) for eye in CLC_EYECATCHERS):
+        return True
+    timeout = sock.gettimeout()
+    _BaseSocket.settimeout(sock, _LATE_CLC_WAIT)
+    try:
+        until = time.monotonic() + _LATE_CLC_WAIT
+        while len(head) < 8:  # a peek returns what is there: look again until the header is
+            if time.monotonic() > until:
+                raise OSError(errno.EPROTO, "a partial CLC header")
+            time.sleep(0.001)
+            head = _BaseSocket.recv(sock, 8, _socket.MSG_PEEK)
+        if head[:4] not in CLC_EYECATCHERS:
+            return True
+        length = int.from_bytes(head[5:7], "big")
+        msg = bytearray()
+        while len(msg) < length:
+            chunk = _BaseSocket.recv(sock, length - len(msg))
+            if not chunk:
+                break
+            msg += chunk
+        if len(msg) != length or bytes(msg[-4:]) not in CLC_EYECATCHERS:
+            raise OSError(errno.EPROTO, "a partial CLC message")
+        if head[4] == 1:  # a Proposal: decline it; a Decline needs no answer
+            version = 2 if head[7] >> 4 >= 2 else 1
+            _BaseSocket.sendall(sock, peer_option.clc_decline(NOSMCDEV, version))
+    except OSError as e:
+        text = f"smcd: a late CLC message on a TCP stream: {e}"
+        raise _abort(sock, errno.ECONNRESET, text) from e
+    finally:
+        _BaseSocket.settimeout(sock, timeout)
+    log.info("declined a late CLC Proposal on a connection that stayed on TCP")
+    return True
 
 
 _libc: Any = None

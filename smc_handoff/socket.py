@@ -51,7 +51,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from smc_handoff import layout, messages, peer_option
-from smc_handoff.handoff import ChannelState, Registration, clc_at_head, hand_over, reset
+from smc_handoff.handoff import (
+    ChannelState,
+    Registration,
+    answer_late_proposal,
+    clc_at_head,
+    hand_over,
+    reset,
+)
 from smc_handoff.messages import Fallback
 
 if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
@@ -151,6 +158,7 @@ class SmcSocket(_BaseSocket):
         self._smc = None
         self._fallback = None
         self._gone = False  # really closed (``_closed`` is set while makefile()s keep it open)
+        self._clc_guard = False  # a server half on TCP: its first read answers a late Proposal
 
     # -- what it is ----------------------------------------------------------------------------
 
@@ -219,6 +227,7 @@ class SmcSocket(_BaseSocket):
             self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
         if isinstance(result, Fallback):
             self._set_fallback(result)
+            self._clc_guard = server_side and not result.after_decline
             return
         ctl, reply, fds = result
         try:
@@ -253,6 +262,12 @@ class SmcSocket(_BaseSocket):
         if self._gone:
             raise _ebadf()
         return self._smc
+
+    def _tcp_read(self) -> None:
+        """Before a read in TCP mode: a server half's first read answers a late CLC Proposal
+        (:func:`smc_handoff.handoff.answer_late_proposal`), so it never reaches the application."""
+        if self._clc_guard and answer_late_proposal(self):
+            self._clc_guard = False
 
     def _deadline(self, flags: int) -> float | None:
         """Absolute deadline for one call: 0.0 = non-blocking, None = forever."""
@@ -296,6 +311,8 @@ class SmcSocket(_BaseSocket):
                     return n
         smc = self._live()
         if smc is None:
+            if self._clc_guard:
+                self._tcp_read()
             return super().recv_into(buffer, nbytes, flags)
         if flags:
             self._check_flags(flags)
@@ -328,6 +345,8 @@ class SmcSocket(_BaseSocket):
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if self._live() is None:
+            if self._clc_guard:
+                self._tcp_read()
             return super().recv(bufsize, flags)
         if bufsize < 0:
             raise ValueError("negative buffersize in recv")
@@ -343,11 +362,15 @@ class SmcSocket(_BaseSocket):
 
     def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
         if self._live() is None:
+            if self._clc_guard:
+                self._tcp_read()
             return super().recvfrom(bufsize, flags)
         return self.recv(bufsize, flags), None
 
     def recvfrom_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> tuple[int, Any]:
         if self._live() is None:
+            if self._clc_guard:
+                self._tcp_read()
             return super().recvfrom_into(buffer, nbytes, flags)
         return self.recv_into(buffer, nbytes, flags), None
 
@@ -639,6 +662,8 @@ def accepted(conn: _socket.socket, reg: Registration, dmb_size: int = 0) -> SmcS
         plain._fallback = messages.daemon_unavailable(
             "a CLC Proposal waits and no daemon answers it: connection reset"
         )
+    else:
+        plain._clc_guard = True  # a Proposal may still come (a configured peer's daemon)
     return plain
 
 
