@@ -242,7 +242,7 @@ _LATE_CLC_WAIT = 5.0
 """Seconds to read the rest of a Proposal whose head arrived (its sender wrote it whole)."""
 
 
-def answer_late_proposal(sock: _socket.socket) -> bool:
+def answer_late_proposal(sock: _socket.socket, flags: int = 0) -> bool:
     """The first read of a server half that stayed on TCP without a Decline exchange: a client
     whose daemon proposed (a configured peer, a Proposal sent while this host's daemon was
     down or refused us) writes its Proposal first, before any of its application's bytes. Read
@@ -251,8 +251,9 @@ def answer_late_proposal(sock: _socket.socket) -> bool:
     decided (the stream does not start with CLC, or the Proposal was answered); False when no
     byte is there yet (a non-blocking socket: ask again at the next read). A Proposal that
     cannot be read whole or answered resets the connection (ConnectionResetError)."""
+    peek = _socket.MSG_PEEK | (flags & _socket.MSG_DONTWAIT)  # the read's own waiting
     try:
-        head = _BaseSocket.recv(sock, 8, _socket.MSG_PEEK)  # as the application's read would wait
+        head = _BaseSocket.recv(sock, 8, peek)  # as the application's read would wait
     except (BlockingIOError, InterruptedError):
         return False
     if not head or not any(eye.startswith(head[:4]) for eye in CLC_EYECATCHERS):

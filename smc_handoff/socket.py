@@ -263,10 +263,10 @@ class SmcSocket(_BaseSocket):
             raise _ebadf()
         return self._smc
 
-    def _tcp_read(self) -> None:
+    def _tcp_read(self, flags: int = 0) -> None:
         """Before a read in TCP mode: a server half's first read answers a late CLC Proposal
         (:func:`smc_handoff.handoff.answer_late_proposal`), so it never reaches the application."""
-        if self._clc_guard and answer_late_proposal(self):
+        if self._clc_guard and answer_late_proposal(self, flags):
             self._clc_guard = False
 
     def _deadline(self, flags: int) -> float | None:
@@ -312,7 +312,7 @@ class SmcSocket(_BaseSocket):
         smc = self._live()
         if smc is None:
             if self._clc_guard:
-                self._tcp_read()
+                self._tcp_read(flags)
             return super().recv_into(buffer, nbytes, flags)
         if flags:
             self._check_flags(flags)
@@ -346,7 +346,7 @@ class SmcSocket(_BaseSocket):
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if self._live() is None:
             if self._clc_guard:
-                self._tcp_read()
+                self._tcp_read(flags)
             return super().recv(bufsize, flags)
         if bufsize < 0:
             raise ValueError("negative buffersize in recv")
@@ -363,14 +363,14 @@ class SmcSocket(_BaseSocket):
     def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
         if self._live() is None:
             if self._clc_guard:
-                self._tcp_read()
+                self._tcp_read(flags)
             return super().recvfrom(bufsize, flags)
         return self.recv(bufsize, flags), None
 
     def recvfrom_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> tuple[int, Any]:
         if self._live() is None:
             if self._clc_guard:
-                self._tcp_read()
+                self._tcp_read(flags)
             return super().recvfrom_into(buffer, nbytes, flags)
         return self.recv_into(buffer, nbytes, flags), None
 
