@@ -13,10 +13,16 @@ every fallback it decides before the Proposal (a refusal at the gate, admission,
   FALLBACK ``after_decline``: the peer consumes the Decline and falls back with PEERDECL, the
   stream is the application's again. A Decline that cannot be sent whole resets the connection,
   as any failure once CLC began.
-- server half (:func:`decline_proposal`): wait (up to the CLC timer) for the client's Proposal,
-  take it off the stream and answer it with the Decline; a client that declined first has its
-  Decline taken off instead (PEERDECL). A client that sends no CLC at all within the timer
-  leaves the stream untouched.
+- server half (:func:`decline_proposal`): wait for the client's Proposal, take it off the
+  stream and answer it with the Decline; a client that declined first has its Decline taken off
+  instead (PEERDECL). A client that sends no CLC at all within the wait leaves the stream
+  untouched. A Proposal is due (:func:`proposal_due`) from a client whose SYN carried the option
+  (wait: the CLC timer) and from one whose address is in the configuration's ``peers``: its
+  daemon proposes whether or not peer detection runs on either side (wait: ``proposal_wait``,
+  the handshake's own wait for such a client; one that proposes later still is answered by the
+  library's first read, ``smc_handoff.handoff.answer_late_proposal``). Without this a refused
+  server half (cap, admission, gate) would hand its application a stream whose first bytes are
+  the peer daemon's Proposal (#14).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ __all__ = [
     "decline_bytes",
     "decline_now",
     "decline_proposal",
+    "proposal_due",
     "refused",
     "refused_accept",
     "refused_connect",
@@ -108,31 +115,51 @@ async def decline_proposal(
     return FallbackOutcome(code, None, True, f"declined the Proposal: {detail}", declined=True)
 
 
+def proposal_due(srv: HandoffServer, fd: int, peer: str) -> float | None:
+    """A refused server half on ``fd`` (its client at ``peer``): how long to wait for the
+    client's Proposal, or None when none is due (see the module docstring). A same-host client
+    is this daemon's own client half, which falls back without a byte when its server half did
+    (:mod:`.arrivals`)."""
+    detected = srv.detection.peer(fd) is True
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # a v6 socket's IPv4 client
+        ip = ip.ipv4_mapped
+    if not detected and not any(ip.version == n.version and ip in n for n in srv.cfg.peers):
+        return None
+    if srv.local_addresses.is_local(ip):
+        return None
+    return srv.cfg.timeouts.clc_wait if detected else srv.cfg.timeouts.proposal_wait
+
+
 async def refused(
     srv: HandoffServer, tcp: BorrowedTcp, *, server: bool, code: int, detail: str
 ) -> tuple[FallbackOutcome, bool]:
     """A handshake refused before any CLC byte (admission, a quota): its outcome, and whether
-    the connection was reset (see the module docstring). Only a peer that showed the option
-    gets a Decline; a same-host server half's client is this daemon's own client half, which
-    falls back without a byte when its server half did (:mod:`.arrivals`)."""
+    the connection was reset (see the module docstring). A client half declines only toward a
+    peer that showed the option (a configured peer that did not may run no SMC at all: a Decline
+    would be data to it); a server half declines every Proposal that is due."""
     plain = FallbackOutcome(code, None, True, detail)
+    if server:
+        wait = proposal_due(srv, tcp.fd, tcp.peer[0])
+        if wait is None:
+            return plain, False
+        try:
+            out = await decline_proposal(tcp, code, detail, wait)
+        except Exception as e:  # a broken exchange of any kind: reset
+            reset_tcp(tcp.sock)
+            return FallbackOutcome(code, None, True, f"{detail}; CLC broke off: {e!r}"), True
+        return (out or plain), False
     if srv.detection.peer(tcp.fd) is not True:
         return plain, False
-    if not server:
-        why = decline_now(tcp.fd, code)
-        if why is None:
-            sent = f"{detail}; the peer showed the SMC TCP option, so it was sent a Decline"
-            return FallbackOutcome(code, None, True, sent, declined=True), False
-        reset_tcp(tcp.sock)
-        return FallbackOutcome(code, None, True, f"{detail}; the Decline failed: {why}"), True
-    if srv.local_addresses.is_local(ipaddress.ip_address(tcp.peer[0])):
-        return plain, False
-    try:
-        out = await decline_proposal(tcp, code, detail, srv.cfg.timeouts.clc_wait)
-    except Exception as e:  # a broken exchange of any kind: reset
-        reset_tcp(tcp.sock)
-        return FallbackOutcome(code, None, True, f"{detail}; CLC broke off: {e!r}"), True
-    return (out or plain), False
+    why = decline_now(tcp.fd, code)
+    if why is None:
+        sent = f"{detail}; the peer showed the SMC TCP option, so it was sent a Decline"
+        return FallbackOutcome(code, None, True, sent, declined=True), False
+    reset_tcp(tcp.sock)
+    return FallbackOutcome(code, None, True, f"{detail}; the Decline failed: {why}"), True
 
 
 def refused_connect(detection: PeerDetection, fd: int, code: int) -> bool | None:
@@ -156,19 +183,21 @@ _LATER: set[asyncio.Task[None]] = set()
 
 
 def refused_accept(srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fallback) -> bool:
-    """An ACCEPT answered at the gate whose client showed the SMC option (it is sending a
-    Proposal): True when a task now owns ``conn`` and ``fd``, reads and declines the Proposal,
-    then answers ``reply`` (``after_decline`` if CLC crossed) and closes both. False: answer
-    at once (no option, a same-host client, no running loop)."""
-    if srv.detection.peer(fd) is not True or srv.loop is None or not srv.loop.is_running():
+    """An ACCEPT answered at the gate whose client is sending a Proposal (:func:`proposal_due`):
+    True when a task now owns ``conn`` and ``fd``, reads and declines the Proposal, then answers
+    ``reply`` (``after_decline`` if CLC crossed) and closes both. False: answer at once (no
+    Proposal due, no running loop)."""
+    if srv.loop is None or not srv.loop.is_running():
         return False
     try:
         sock = socket.socket(fileno=os.dup(fd))
-        local = srv.local_addresses.is_local(ipaddress.ip_address(sock.getpeername()[0]))
-        sock.close()
-    except (OSError, ValueError):
+        try:
+            peer = sock.getpeername()[0]
+        finally:
+            sock.close()
+    except (OSError, ValueError, IndexError):
         return False
-    if local:
+    if proposal_due(srv, fd, peer) is None:
         return False
     task = srv.loop.create_task(_accept_later(srv, conn, fd, reply))
     _LATER.add(task)
