@@ -55,9 +55,11 @@ import os
 import select
 import socket as _socket
 import struct
+import sys
 import termios
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -257,7 +259,10 @@ def answer_late_proposal(sock: _socket.socket, flags: int = 0) -> bool:
     except (BlockingIOError, InterruptedError):
         return False
     if not head or not any(eye.startswith(head[:4]) for eye in CLC_EYECATCHERS):
+        _late_clc_settled(sock)
         return True
+    if flags & _socket.MSG_DONTWAIT or sock.gettimeout() == 0.0:
+        _late_clc_nowait(sock, head)  # returns once all of it is queued: no wait below
     timeout = sock.gettimeout()
     _BaseSocket.settimeout(sock, _LATE_CLC_WAIT)
     try:
@@ -286,8 +291,69 @@ def answer_late_proposal(sock: _socket.socket, flags: int = 0) -> bool:
         raise _abort(sock, errno.ECONNRESET, text) from e
     finally:
         _BaseSocket.settimeout(sock, timeout)
+        _late_clc_settled(sock)
     log.info("declined a late CLC Proposal on a connection that stayed on TCP")
     return True
+
+
+_late_waits: weakref.WeakKeyDictionary[_socket.socket, float] = weakref.WeakKeyDictionary()
+"""Non-blocking server halves with part of a late CLC message queued: the wait's deadline."""
+
+
+def _late_clc_nowait(sock: _socket.socket, head: bytes) -> None:
+    """:func:`answer_late_proposal` on a non-blocking read (an event loop's), CLC at the head:
+    return once the whole message is queued (it is then read and answered without waiting);
+    else raise BlockingIOError, with ``SO_RCVLOWAT`` raised to the bytes that decide, so that
+    a selector reports the socket readable again only when they are there or the peer closed
+    (no spinning, no polling). The wait is bounded: a message cut off by the peer's FIN, or
+    still partial after :data:`_LATE_CLC_WAIT` (a timer on a running asyncio loop; else the
+    next read), resets the connection as the blocking read does."""
+    if len(head) < 4:
+        want = len(head) + 1  # the next byte may show it is no eyecatcher
+    elif len(head) < 8:
+        want = 8
+    else:
+        want = max(int.from_bytes(head[5:7], "big"), 8)
+    fd = _BaseSocket.fileno(sock)
+    if _INT.unpack(fcntl.ioctl(fd, _SIOCINQ, _INT0))[0] >= want:
+        return
+    now = time.monotonic()
+    deadline = _late_waits.get(sock)
+    if deadline is None:
+        deadline = _late_waits[sock] = now + _LATE_CLC_WAIT
+        _late_clc_timer(sock, _LATE_CLC_WAIT)
+    state = _BaseSocket.getsockopt(sock, _TCP, _socket.TCP_INFO, 1)[0]
+    if now >= deadline or state in _FIN_RECEIVED:
+        _late_waits.pop(sock, None)
+        raise _abort(sock, errno.ECONNRESET, "smcd: a late CLC message on a TCP stream: cut off")
+    _BaseSocket.setsockopt(sock, _socket.SOL_SOCKET, _socket.SO_RCVLOWAT, want)
+    raise BlockingIOError(errno.EAGAIN, "the rest of a late CLC message is awaited")
+
+
+def _late_clc_timer(sock: _socket.socket, delay: float) -> None:
+    asyncio = sys.modules.get("asyncio")
+    try:
+        loop = asyncio.get_running_loop() if asyncio is not None else None
+    except RuntimeError:
+        loop = None
+    if loop is not None:
+        loop.call_later(delay, _late_clc_expired, weakref.ref(sock))
+
+
+def _late_clc_expired(ref: weakref.ref[_socket.socket]) -> None:
+    """The deadline of a partial late CLC message: reset (the selector then reports the socket
+    and the event loop's read gets ECONNRESET)."""
+    sock = ref()
+    if sock is not None and _late_waits.pop(sock, None) is not None:
+        with contextlib.suppress(OSError):
+            _abort(sock, errno.ECONNRESET, "smcd: a late CLC message on a TCP stream: cut off")
+
+
+def _late_clc_settled(sock: _socket.socket) -> None:
+    """The late-CLC check decided: the socket's selector readiness is the usual one again."""
+    if _late_waits.pop(sock, None) is not None:
+        with contextlib.suppress(OSError):
+            _BaseSocket.setsockopt(sock, _socket.SOL_SOCKET, _socket.SO_RCVLOWAT, 1)
 
 
 _libc: Any = None
