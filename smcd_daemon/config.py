@@ -94,10 +94,13 @@ SYSTEM_PATHS: Mapping[str, Any] = {
     "handoff_socket": Path("/run/smcd/handoff.sock"),
     "state_dir": Path("/var/lib/smcd"),
     "dbus.bus": "system",
+    "peer_detection": True,
 }
 """What the shipped ``config/smcd.toml`` sets differently from the embedded (unprivileged) default:
 the directories systemd creates (RuntimeDirectory=/StateDirectory=smcd), the handoff socket that
-``smcd.socket`` listens on, and the system bus."""
+``smcd.socket`` listens on, the system bus, and peer detection (the service, granted CAP_BPF and
+CAP_NET_ADMIN, attaches at the host's cgroup v2 root as the kernel marks every AF_SMC SYN; an ad-hoc
+daemon must not take over the host's SYNs, and one without the capabilities could not)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,6 +515,7 @@ class Config(_Section):
         "(no host bits set)",
         default=(),
     )
+    # Off in the embedded default, on in the shipped file (SYSTEM_PATHS says why).
     peer_detection: StrictBool = _doc("must be true or false", default=False)
     dbus: DbusConfig = _doc("must be a table", default_factory=DbusConfig)
     eid: EidConfig = _doc("must be a table", default_factory=EidConfig)

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Without --config smcd runs unprivileged with its embedded defaults: runtime and "
             "state under $XDG_RUNTIME_DIR/smcd (or /tmp/smcd-UID), on the session bus (or a "
-            "private bus it starts itself). Signals: SIGHUP reloads the configuration "
+            "private bus it starts itself), with no peer detection (config/smcd.toml turns it "
+            "on). Signals: SIGHUP reloads the configuration "
             "(reloadable keys apply at once, the others are reported as needing a restart); "
             "SIGTERM/SIGINT stop cleanly. Exit status: 0 after a clean stop, 1 on a "
             "configuration or start-up error."

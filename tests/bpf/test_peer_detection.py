@@ -257,6 +257,49 @@ def test_unprivileged_load_is_a_typed_error(bpf_object: Path) -> None:
     assert issubclass(DetectionUnavailable, Exception)
 
 
+#: Exactly what smcd.service grants (CapabilityBoundingSet= and AmbientCapabilities=).
+SERVICE_CAPS = ["--inh-caps=-all,+bpf,+net_admin", "--ambient-caps=-all,+bpf,+net_admin",
+                "--bounding-set=-all,+bpf,+net_admin"]  # fmt: skip
+LOAD = (
+    "import sys\nfrom smcd_daemon.adapters.bpf import Detector, DetectionUnavailable\n"
+    "try:\n    d = Detector.load(sys.argv[1] if len(sys.argv) > 1 else None)\n"
+    "except DetectionUnavailable as e:\n    print(e.reason)\n"
+    "else:\n    print('LOADED', d.program_ids())\n    d.close()\n"
+)
+
+
+def test_the_services_capabilities_suffice(bpf_object: Path, cgroup: Path) -> None:
+    """CAP_BPF and CAP_NET_ADMIN alone (no CAP_SYS_ADMIN, no CAP_PERFMON, not even uid 0) load
+    and attach the programs: what smcd.service grants is enough on an existing cgroup2."""
+    python = REPO / ".venv" / "bin" / "python"
+    argv = ["setpriv", *SERVICE_CAPS, "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+            os.fspath(python), "-c", LOAD, os.fspath(cgroup)]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("LOADED ["), r.stdout + r.stderr
+
+
+def test_no_cgroup2_and_no_sys_admin_says_where_the_hierarchy_must_come_from(
+    bpf_object: Path,
+) -> None:
+    """With the service's capabilities but no cgroup2 mount (a pure v1 host), smcd may not mount
+    one (no CAP_SYS_ADMIN): the reason names the layout to boot with, not a capability the unit
+    would never grant."""
+    python = REPO / ".venv" / "bin" / "python"
+    inner = (
+        "umount -a -t cgroup2; ! grep -q ' - cgroup2 ' /proc/self/mountinfo && "
+        f'exec setpriv {" ".join(SERVICE_CAPS)} {python} -c "$0"'
+    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, LOAD]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    reason = r.stdout.strip()
+    assert reason.startswith("no cgroup v2 hierarchy is mounted and smcd lacks CAP_SYS_ADMIN"), (
+        reason
+    )
+    assert "/sys/fs/cgroup/unified" in reason, reason
+
+
 def test_half_open_records_are_purged(det: Detector, net: Net) -> None:
     """A SYN-ACK that carried the option leaves a record until the handshake completes;
     completed handshakes consume theirs, so nothing is left to purge afterwards."""

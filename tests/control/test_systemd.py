@@ -122,8 +122,8 @@ def test_service_hardening_and_exposure() -> None:
         "StateDirectory": "smcd",
         "ConfigurationDirectory": "smcd",
         "RestrictAddressFamilies": "AF_UNIX AF_NETLINK AF_INET AF_INET6",
-        "CapabilityBoundingSet": "",
-        "AmbientCapabilities": "",
+        "CapabilityBoundingSet": "CAP_BPF CAP_NET_ADMIN",  # peer detection, nothing more
+        "AmbientCapabilities": "CAP_BPF CAP_NET_ADMIN",
         "LimitMEMLOCK": "infinity",
         "MemoryDenyWriteExecute": "yes",
         "SystemCallArchitectures": "native",

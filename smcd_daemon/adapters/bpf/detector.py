@@ -18,9 +18,10 @@ by ``make bpf``) so that smcd's connections are marked the same way, and only th
   (server) carried the option; ``None`` when nothing was recorded for that socket.
 
 Loading needs CAP_BPF and CAP_NET_ADMIN (CAP_SYS_ADMIN too when no cgroup v2 hierarchy is
-mounted and smcd mounts one); without them :meth:`Detector.load` raises
-:class:`DetectionUnavailable`, which the daemon reports. The programs are attached as BPF links:
-they go away with :meth:`Detector.close` or with the daemon's process, whatever the way it ends.
+mounted and smcd mounts one, which smcd.service does not grant: systemd's mount serves); without
+them :meth:`Detector.load` raises :class:`DetectionUnavailable`, which the daemon reports. The
+programs are attached as BPF links: they go away with :meth:`Detector.close` or with the daemon's
+process, whatever the way it ends.
 """
 
 from __future__ import annotations
@@ -189,11 +190,18 @@ class Detector:
         libbpf, a cgroup v2 hierarchy, or what the kernel refused (with libbpf's log).
         """
         need_mount = cgroup is None and cg.find_cgroup2() is None
-        missing = missing_capabilities(need_mount=need_mount)
+        missing = missing_capabilities(need_mount=False)
         if missing:
             raise DetectionUnavailable(
                 f"smcd lacks {', '.join(missing)} (the systemd unit grants them through "
                 "AmbientCapabilities=; run as root to try by hand)"
+            )
+        if need_mount and missing_capabilities(need_mount=True):
+            # smcd.service does not grant CAP_SYS_ADMIN: the hierarchy must come from systemd.
+            raise DetectionUnavailable(
+                "no cgroup v2 hierarchy is mounted and smcd lacks CAP_SYS_ADMIN to mount one: "
+                "boot with systemd's unified or hybrid cgroup layout (cgroup2 on /sys/fs/cgroup "
+                "or /sys/fs/cgroup/unified), or mount cgroup2 before smcd starts"
             )
         path = obj_path or object_path()
         if not path.exists():

@@ -192,6 +192,128 @@ def test_notify_ready_and_status_line() -> None:
     assert 'Status: "serving org.smcd on the system bus' in text, text
 
 
+# -- privileges: peer detection with exactly CAP_BPF and CAP_NET_ADMIN -----------------------------
+
+#: Capability numbers (linux/capability.h) and names, to decode /proc/PID/status masks.
+CAP_NAMES = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID",
+    "SETUID", "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN",
+    "NET_RAW", "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE",
+    "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME",
+    "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP",
+    "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ",
+    "PERFMON", "BPF", "CHECKPOINT_RESTORE")  # fmt: skip
+#: What smcd.service grants (CapabilityBoundingSet= and AmbientCapabilities=).
+UNIT_CAPS = {"CAP_BPF", "CAP_NET_ADMIN"}
+DROP_IN = Path("/run/systemd/system/smcd.service.d/50-no-capabilities.conf")
+
+
+def capabilities(pid: int | str) -> dict[str, set[str]]:
+    """CapInh/CapPrm/CapEff/CapBnd/CapAmb of a process, decoded to capability names."""
+    out: dict[str, set[str]] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cap"):
+            key, value = line.split(":")
+            mask = int(value, 16)
+            out[key] = {
+                f"CAP_{CAP_NAMES[b]}" if b < len(CAP_NAMES) else f"cap_{b}"
+                for b in range(64)
+                if mask >> b & 1
+            }
+    return out
+
+
+def detection_line() -> str:
+    caps = json.loads(sh("smcctl", "info", "--json"))["Capabilities"]
+    lines = [c for c in caps if c.startswith("peer detection: ")]
+    assert len(lines) == 1, caps
+    return str(lines[0])
+
+
+def cgroup2_mount() -> str:
+    """Where systemd (PID 1) mounted the cgroup v2 hierarchy's root."""
+    for line in Path("/proc/1/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        if post.startswith("cgroup2 ") and pre.split()[3] == "/":
+            return pre.split()[4]
+    raise AssertionError("PID 1 has no cgroup2 mount: " + Path("/proc/1/mountinfo").read_text())
+
+
+def restart_smcd() -> int:
+    old = prop("smcd.service", "MainPID")
+    sh("systemctl", "restart", "smcd.service", timeout=240)
+    wait_for(
+        "smcd.service running again",
+        lambda: (
+            prop("smcd.service", "SubState") == "running"
+            and prop("smcd.service", "MainPID") not in ("0", old)
+        ),
+        timeout=180,
+    )
+    return int(prop("smcd.service", "MainPID"))
+
+
+def test_peer_detection_runs_with_exactly_cap_bpf_and_cap_net_admin() -> None:
+    """Under the shipped unit and /etc/smcd/smcd.toml, smcd attaches its programs at the root of
+    systemd's cgroup2 mount and holds CAP_BPF and CAP_NET_ADMIN, nothing else, in every set."""
+    pid = int(prop("smcd.service", "MainPID"))
+    caps = capabilities(pid)
+    for key in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert caps[key] == UNIT_CAPS, (key, caps)
+    assert caps["CapInh"] <= UNIT_CAPS, caps  # systemd raises inheritable for ambient ones
+    line = detection_line()
+    root = cgroup2_mount()
+    m = re.fullmatch(r"peer detection: TCP option via BPF \(programs ([\d, ]+) on (\S+)\)", line)
+    assert m, line
+    assert m.group(2) == root, (line, root)
+    ids = {int(i) for i in m.group(1).split(", ")}
+    loaded = json.loads(sh("bpftool", "-j", "prog", "show") or "[]")
+    names = {p["id"]: p.get("name") for p in loaded}
+    assert {names.get(i) for i in ids} == SMCD_BPF_PROGRAMS, (ids, names)
+    attached = json.loads(sh("bpftool", "-j", "cgroup", "show", root) or "[]")
+    assert ids <= {a["id"] for a in attached}, attached
+    # smcd mounted nothing of its own (no CAP_SYS_ADMIN): the hierarchy is systemd's.
+    assert not any(
+        " /run/smcd/cgroup2 " in x for x in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+    )
+    text = sh("smcctl", "info")
+    assert f"peer detection: TCP option via BPF (programs {m.group(1)} on {root})" in text, text
+    logged = sh("journalctl", "--no-pager", f"_PID={pid}")
+    assert f"SMC peer detection: BPF programs {m.group(1)} attached to {root}" in logged, logged
+
+
+def test_without_capabilities_detection_says_unavailable_and_smcd_carries_on(app: App) -> None:
+    """A drop-in that takes the two capabilities away: smcd still starts and serves, `smcctl
+    info` and the journal say why detection is unavailable; the shipped unit restores it."""
+    DROP_IN.parent.mkdir(parents=True, exist_ok=True)
+    DROP_IN.write_text("[Service]\nCapabilityBoundingSet=\nAmbientCapabilities=\n")
+    try:
+        sh("systemctl", "daemon-reload")
+        pid = restart_smcd()
+        caps = capabilities(pid)
+        assert caps["CapEff"] == caps["CapBnd"] == caps["CapAmb"] == set(), caps
+        line = detection_line()
+        assert line.startswith("peer detection: unavailable: smcd lacks CAP_BPF, CAP_NET_ADMIN"), (
+            line
+        )
+        assert line in sh("smcctl", "info")
+        want = "SMC peer detection unavailable: smcd lacks CAP_BPF, CAP_NET_ADMIN"
+        logged = sh("journalctl", "--no-pager", f"_PID={pid}", "-o", "json")
+        entries = [json.loads(x) for x in logged.splitlines() if want in x]
+        assert entries and entries[0]["PRIORITY"] == "4", entries  # a warning
+        loaded = json.loads(sh("bpftool", "-j", "prog", "show") or "[]")
+        assert not [p for p in loaded if p.get("name") in SMCD_BPF_PROGRAMS], loaded
+        # Degraded, not broken: same-host SMC-D goes on.
+        c = app.ask(op="connect", port=app.ask(op="listen")["port"])
+        assert c["mode"] == "smcd", c
+        app.ask(op="echo", id=c["id"], size=50_000)
+    finally:
+        DROP_IN.unlink(missing_ok=True)
+        sh("systemctl", "daemon-reload")
+    pid = restart_smcd()
+    assert capabilities(pid)["CapEff"] == UNIT_CAPS
+    assert detection_line().startswith("peer detection: TCP option via BPF"), detection_line()
+
+
 # -- D-Bus ----------------------------------------------------------------------------------------
 
 
