@@ -162,11 +162,7 @@ class AddLinkFlows(LinkGroupBase):
             self._add_failed(new, "the client rejected the new link (no alternate path)")
             return
         assert lk.peer is not None
-        if (
-            self.type == LgrType.SINGLE
-            and resp.sender_gid == lk.peer.gid
-            and resp.sender_mac == lk.peer.mac
-        ):
+        if self.type == LgrType.SINGLE and self._same_peer(lk, resp.sender_gid, resp.sender_mac):
             new_type = LgrType.ASYMP
         self._save_add_link_info(new, resp)
         assert new.peer is not None and new.mtu is not None
@@ -278,7 +274,7 @@ class AddLinkFlows(LinkGroupBase):
         if not req.qp_mtu:
             self._reject_add_link(lk, req)
             return
-        if req.sender_gid == lk.peer.gid and req.sender_mac == lk.peer.mac:
+        if self._same_peer(lk, req.sender_gid, req.sender_mac):
             if alt is None:
                 self._reject_add_link(lk, req)
                 self._emit(AddLinkResult(False, None, "server offered an asymmetric link and "

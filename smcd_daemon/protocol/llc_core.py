@@ -300,9 +300,11 @@ class LinkGroupBase:
         assert new.qpn is not None and new.psn is not None
         ext = None
         if self.v2:
+            # the kernel (smc_llc_fill_ext_v2) puts the sender's own GID of the new link in
+            # client_target_gid, in the request and in the response alike
             ext = AddLinkV2Ext(
                 v2_direct=True,
-                client_target_gid=new.peer.gid if new.peer else bytes(16),
+                client_target_gid=new.port.gid,
                 rkeys=self._new_link_rkeys(new),
             )
         return AddLink(
@@ -328,6 +330,12 @@ class LinkGroupBase:
             key_new, vaddr_new = rmb.rkeys[new.link_id]
             out.append(AddLinkRkey(rmb.rkeys[prim.link_id][0], key_new, vaddr_new))
         return tuple(out)
+
+    def _same_peer(self, lk: Link, gid: bytes, mac: bytes) -> bool:
+        """Does an ADD LINK's sender port equal ``lk``'s peer (an asymmetric offer)? SMC-Rv2
+        compares the GID alone, as the kernel does (a RoCEv2 GID names the port)."""
+        assert lk.peer is not None
+        return gid == lk.peer.gid and (self.v2 or mac == lk.peer.mac)
 
     def _primary_for(self, new: Link) -> Link | None:
         for lk in sorted(self._links.values(), key=lambda x: x.link_id):
