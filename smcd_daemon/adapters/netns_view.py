@@ -13,24 +13,60 @@ another namespace:
   container host's bridge namespace). The reply direction's source is the real listener.
   Namespaces without a process of ours are read from a short-lived thread that joins them
   (``setns``, as root) and dies with them, so no thread of the daemon changes namespace.
+* Which network devices does each namespace have (``smcctl device show``)?
+  :func:`namespace_devices` lists the netdevs of every namespace the daemon knows of (those
+  ``ip netns`` names, and those of the processes whose connections and listeners it holds) with
+  an rtnetlink dump taken from such a thread; smcd's own namespace is its device inventory.
+
+:func:`netns_label` is how records show a namespace other than smcd's ("inode name").
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import ipaddress
 import os
 import threading
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["dnat_target", "local_in"]
+from smcd_daemon.adapters.tcp_identity import NetnsId, netns_name
+from smcd_daemon.core.devices import NetDevice
+
+__all__ = [
+    "NamespaceDevices",
+    "dnat_target",
+    "local_in",
+    "namespace_devices",
+    "netns_label",
+    "own_netns",
+]
 
 _CLONE_NEWNET = 0x40000000
 _RUN_NETNS = "/run/netns"
 Target = tuple[str, int]
+_T = TypeVar("_T")
+MAX_NAMESPACES = 256
+"""At most this many namespaces are read per call (a host with more is listed in part)."""
+
+
+def own_netns() -> int:
+    """Inode of smcd's own network namespace."""
+    return _ns_inode("self")
+
+
+def netns_label(ns: NetnsId | None) -> str:
+    """How connection and listener records show the namespace ``ns``: "inode name" (or the inode
+    alone when ``ip netns`` has no name for it); "" for smcd's own namespace or an unknown one."""
+    if ns is None or not ns[0] or ns[0] == own_netns():
+        return ""
+    return f"{ns[0]} {ns[1]}" if ns[1] else str(ns[0])
 
 
 def local_in(pid: int, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -116,8 +152,6 @@ def _ns_inode(pid: int | str) -> int:
 async def dnat_target(local: Any, peer: Any, pid: int) -> Target | None:
     """Where the connection ``local`` → ``peer`` of process ``pid`` really goes, if a DNAT
     (a published port) rewrote its destination; None if no table says so."""
-    import asyncio
-
     loc: Target = (str(local[0]), int(local[1]))
     dst: Target = (str(peer[0]), int(peer[1]))
     seen: set[int] = set()
@@ -129,14 +163,121 @@ async def dnat_target(local: Any, peer: Any, pid: int) -> Target | None:
         found = _parse(_read(f"/proc/{who}/net/nf_conntrack"), loc, dst)
         if found is not None:
             return found
-    fut: concurrent.futures.Future[Target | None] = concurrent.futures.Future()
+    return await _in_own_thread(lambda: _scan_named(loc, dst, seen), None)
+
+
+async def _in_own_thread(fn: Callable[[], _T], failed: _T) -> _T:
+    """``fn()`` in a new thread (``failed`` if it raises): such a thread may leave the daemon's
+    namespace, and ends there."""
+    fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
     def run() -> None:
         with contextlib.suppress(BaseException):
-            fut.set_result(_scan_named(loc, dst, seen))
+            fut.set_result(fn())
         if not fut.done():
-            fut.set_result(None)
+            fut.set_result(failed)
 
-    # a new thread each time: it leaves the daemon's namespace and ends there
     threading.Thread(target=run, name="smcd-netns-scan", daemon=True).start()
     return await asyncio.wrap_future(fut)
+
+
+# -- devices per namespace -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NamespaceDevices:
+    """The netdevs of one network namespace, as an rtnetlink dump taken inside it shows them."""
+
+    inode: int
+    name: str
+    """The ``ip netns`` name ("" if none: a container runtime's namespace, known by a pid)."""
+    netdevs: tuple[NetDevice, ...] = ()
+    problem: str = ""
+    """Why the namespace could not be read ("" if it was)."""
+
+
+def _known(pids: Iterable[int], skip: int) -> dict[int, tuple[str, str]]:
+    """inode -> (``ip netns`` name, a path that opens the namespace), without ``skip``."""
+    found: dict[int, tuple[str, str]] = {}
+    try:
+        names = sorted(os.listdir(_RUN_NETNS))
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(_RUN_NETNS, name)
+        with contextlib.suppress(OSError):
+            ino = os.stat(path).st_ino
+            if ino != skip and ino not in found:
+                found[ino] = (name, path)
+    for pid in sorted(set(pids)):
+        if pid <= 0:
+            continue
+        path = f"/proc/{pid}/ns/net"
+        with contextlib.suppress(OSError):
+            ino = os.stat(path).st_ino
+            if ino != skip and ino not in found:
+                found[ino] = (netns_name(ino), path)
+        if len(found) >= MAX_NAMESPACES:
+            break
+    return dict(list(found.items())[:MAX_NAMESPACES])
+
+
+def _dump_here() -> tuple[NetDevice, ...]:
+    """The netdevs of the calling thread's namespace, with their addresses (rtnetlink dump)."""
+    from pyroute2 import IPRoute  # type: ignore[import-untyped]
+
+    from smcd_daemon.adapters.netlink import MessageError, address_from_msg, link_from_msg
+
+    with IPRoute() as ipr:  # a netlink socket opened now belongs to this thread's namespace
+        links, addrs = list(ipr.get_links()), list(ipr.get_addr())
+    by_index: dict[int, list[Any]] = {}
+    for msg in addrs:
+        with contextlib.suppress(MessageError, ValueError):
+            a = address_from_msg(msg)
+            by_index.setdefault(a.ifindex, []).append(a)
+    out: list[NetDevice] = []
+    for msg in links:
+        with contextlib.suppress(MessageError, ValueError):
+            nd = link_from_msg(msg)
+            out.append(dataclasses.replace(nd, addresses=tuple(by_index.get(nd.ifindex, ()))))
+    return tuple(sorted(out, key=lambda d: d.ifindex))
+
+
+def _read_all(known: dict[int, tuple[str, str]]) -> list[NamespaceDevices]:
+    """In a thread of its own: join each namespace in turn and dump its links."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    out: list[NamespaceDevices] = []
+    for ino, (name, path) in known.items():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            out.append(NamespaceDevices(ino, name, problem=f"cannot open {path}: {e.strerror}"))
+            continue
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                out.append(NamespaceDevices(ino, name, problem=f"cannot join: {os.strerror(err)}"))
+                continue
+        finally:
+            os.close(fd)
+        if _ns_inode("thread-self") != ino:  # the path now names another namespace
+            out.append(NamespaceDevices(ino, name, problem="gone while being read"))
+            continue
+        try:
+            out.append(NamespaceDevices(ino, name, _dump_here()))
+        except Exception as e:  # one namespace's failure is shown, not raised
+            out.append(NamespaceDevices(ino, name, problem=f"rtnetlink dump failed: {e}"))
+    return out
+
+
+async def namespace_devices(pids: Iterable[int] = ()) -> list[NamespaceDevices]:
+    """The netdevs of every network namespace of the host the daemon knows of, smcd's own
+    excepted: the ones ``ip netns`` names and those of processes ``pids`` (the applications
+    whose connections and listeners smcd holds, in namespaces a container runtime made and did
+    not name). Joining a namespace needs CAP_SYS_ADMIN; one that cannot be read says why."""
+    known = _known(pids, own_netns())
+    if not known:
+        return []
+    none: list[NamespaceDevices] = []
+    found = await _in_own_thread(lambda: _read_all(known), none)
+    return sorted(found, key=lambda n: (n.name == "", n.name, n.inode))

@@ -42,6 +42,7 @@ from smcd_daemon.adapters.dbus.names import (
     OBJECT_MANAGER_INTERFACE,
     ROOT_PATH,
 )
+from smcd_daemon.cli import devices as devices_view
 from smcd_daemon.errors import SmcError
 
 __all__ = ["COMMANDS", "CliError", "SmcdClient", "register", "render_table"]
@@ -287,11 +288,16 @@ def register(sub: Any) -> None:
         "device",
         parents=[common],
         help="network, RDMA and ISM devices smcd knows",
-        description="Show devices: netdevs (state, MTU, addresses), RDMA devices (ports, "
-        "GIDs) and the loopback-ism SMC-D device, with their PNETIDs.",
+        description='Show devices per network namespace: smcd\'s own ("host": netdevs with '
+        "state, MTU, addresses; RDMA devices with ports and GIDs; the loopback-ism SMC-D device; "
+        "their PNETIDs), then the netdevs of every namespace ip netns names or whose processes "
+        "hold connections at smcd.",
     )
     p.add_argument("action", nargs="?", choices=["show"], default="show")
     p.add_argument("name", nargs="?", help="only this device")
+    p.add_argument(
+        "-n", "--netns", metavar="NS", help='only this network namespace (inode, name, "host")'
+    )
     p.set_defaults(func=_runner(_device))
 
     p = sub.add_parser(
@@ -391,55 +397,26 @@ async def _info(client: SmcdClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_detail(d: Mapping[str, Any]) -> str:
-    kind = d.get("Kind")
-    if kind == "netdev":
-        addrs = " ".join(f"{a}/{p}" for a, p in d.get("Addresses", []))
-        parts = [f"mtu {d.get('Mtu', 0)}", f"carrier {'on' if d.get('Carrier') else 'off'}"]
-        if d.get("LinkKind"):
-            parts.append(str(d["LinkKind"]))
-        if addrs:
-            parts.append(addrs)
-        return ", ".join(parts)
-    if kind == "rdma":
-        ports = "; ".join(
-            f"port {num} {state} mtu {mtu}" + (f" netdev {nd}" if nd else "")
-            for num, state, mtu, nd, _pnet in d.get("Ports", [])
-        )
-        return f"guid {d.get('NodeGuid', '')}; {ports}" if ports else f"guid {d.get('NodeGuid')}"
-    return f"gid {d.get('Gid', '')}, chid 0x{int(d.get('Chid', 0)):04x}"
-
-
-def _device_state(d: Mapping[str, Any]) -> str:
-    if d.get("Kind") == "netdev":
-        return str(d.get("OperState") or ("UP" if d.get("Up") else "DOWN"))
-    if d.get("Kind") == "ism":
-        return "ENABLED" if d.get("Enabled") else "DISABLED"
-    return "ACTIVE" if d.get("Up") else "DOWN"
-
-
 async def _device(client: SmcdClient, args: argparse.Namespace) -> int:
-    devices = _objects_with(await client.managed_objects(), DEVICE_INTERFACE)
+    try:
+        (namespaces,) = await client.call("NamespaceDevices")
+    except CliError as e:  # an older smcd, or a bus policy without the method: its own only
+        print(f"smcctl: devices of other network namespaces not shown: {e}", file=sys.stderr)
+        own = _objects_with(await client.managed_objects(), DEVICE_INTERFACE)
+        namespaces = [(0, "host", True, own, "")]
+    devices, problems = devices_view.by_namespace(namespaces)
+    devices = devices_view.matching(devices, args.netns)
     if args.name:
         devices = [d for d in devices if d.get("Name") == args.name]
         if not devices:
-            raise CliError(f"device show: smcd knows no device named {args.name!r}")
+            where = f" in network namespace {args.netns}" if args.netns else ""
+            raise CliError(f"device show: smcd knows no device named {args.name!r}{where}")
+    for line in problems:
+        print(f"smcctl: {line}", file=sys.stderr)
     if _json(args):
         _print_json(devices)
         return 0
-    order = {"netdev": 0, "rdma": 1, "ism": 2}
-    devices.sort(key=lambda d: (order.get(d.get("Kind", ""), 3), d.get("Ifindex", 0), d["Name"]))
-    rows = [
-        (
-            d.get("Name", ""),
-            d.get("Kind", ""),
-            _device_state(d),
-            d.get("PnetId") or "n/a",
-            _device_detail(d),
-        )
-        for d in devices
-    ]
-    print(render_table(("Name", "Kind", "State", "PNET-ID", "Details"), rows))
+    print(render_table(devices_view.HEADERS, devices_view.table_rows(devices)))
     return 0
 
 
@@ -624,8 +601,8 @@ async def _linkgroup(client: SmcdClient, args: argparse.Namespace) -> int:
 
 
 def _addr(ip: str, port: int) -> str:
-    if not ip:
-        return "*"
+    if not ip:  # a wildcard listener keeps its port; no peer at all is "*"
+        return f"*:{port}" if port else "*"
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 

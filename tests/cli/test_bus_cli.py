@@ -80,8 +80,8 @@ def test_device_show(run) -> None:  # type: ignore[no-untyped-def]
     rc, out, err = run("device", "show")
     assert rc == 0, err
     header, *rows = out.splitlines()
-    assert header.split() == ["Name", "Kind", "State", "PNET-ID", "Details"]
-    names = {r.split()[0] for r in rows}
+    assert header.split() == ["Netns", "Name", "Kind", "State", "PNET-ID", "Details"]
+    names = {r.split()[2] for r in rows if r.split()[1] == "host"}  # smcd's namespace: "inode host"
     assert {"lo", "loopback-ism"} <= names
     # Aligned: every row starts its Kind column where the header does.
     col = header.index("Kind")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
@@ -33,7 +33,7 @@ from smcd_daemon.errors import SmcError
 
 from .bus import BusError, caller_unix_user, current_caller
 from .names import ERROR_ACCESS_DENIED, ERROR_FAILED, ERROR_INVALID, MANAGER_INTERFACE
-from .objects import RecordInterface, with_properties
+from .objects import DeviceObject, RecordInterface, with_properties
 
 __all__ = ["Manager", "ServiceInfo", "pnet_entry_struct"]
 
@@ -46,6 +46,9 @@ InfoDict = Annotated[dict[str, Variant], DBusSignature("a{sv}")]
 PortArg = Annotated[int, DBusSignature("y")]
 LinkStateArgs = Annotated[tuple[str, str, str], DBusSignature("oss")]
 FallbackArgs = Annotated[tuple[str, int, int, str], DBusSignature("ouus")]
+NamespaceRow = tuple[int, str, bool, list[dict[str, Any]], str]
+"""One network namespace: (inode, name, smcd's own?, its devices as Device1 values, problem)."""
+NamespaceRows = Annotated[list[tuple[Any, ...]], DBusSignature("a(tsbaa{sv}s)")]
 
 SMC_PROTOCOL = "2.1"
 """Highest SMC protocol version/release smcd speaks (SMC v2, release 1)."""
@@ -87,6 +90,10 @@ def _name_args(fn: Any, *names: str) -> None:
         arg.name = name
 
 
+def _variants(values: Mapping[str, Any], sigs: Mapping[str, str]) -> dict[str, Variant]:
+    return {k: Variant(sigs[k], v) for k, v in values.items() if k in sigs}
+
+
 @with_properties
 class Manager(RecordInterface):
     """The Manager1 interface. ``changed(kind)`` is called after every successful mutation with
@@ -113,8 +120,10 @@ class Manager(RecordInterface):
         info: ServiceInfo,
         changed: Callable[[str], None],
         allowed_uids: frozenset[int],
+        namespaces: Callable[[], Awaitable[list[NamespaceRow]]] | None = None,
     ) -> None:
         self._bus = bus
+        self._namespaces = namespaces
         self._pnet = pnet
         self._eids = eids
         self._stats = stats
@@ -273,6 +282,21 @@ class Manager(RecordInterface):
             "Pid": Variant("u", os.getpid()),
         }
 
+    @dbus_method(name="NamespaceDevices")
+    async def namespace_devices(self) -> NamespaceRows:
+        """The devices of every network namespace smcd knows of (#15), for ``smcctl device
+        show``: smcd's own first (its Device1 objects' values, name "host"), then each other one
+        (those ``ip netns`` names and those of the processes whose connections smcd holds) with
+        its netdevs in Device1's shape (PNETIDs empty: the PNET table is smcd's namespace's) and,
+        if it could not be read, why."""
+        if self._namespaces is None:
+            raise DBusError(ERROR_FAILED, "this smcd does not list other network namespaces")
+        sigs = DeviceObject.PROPERTIES
+        return [
+            (ino, name, own, [_variants(d, sigs) for d in devices], problem)
+            for ino, name, own, devices, problem in await self._namespaces()
+        ]
+
     # -- signals -----------------------------------------------------------------------------
 
     @dbus_signal(name="LinkStateChanged")
@@ -298,5 +322,6 @@ _name_args(Manager.ueid_flush, "removed")
 _name_args(Manager.ueid_list, "ueids")
 _name_args(Manager.stats_get, "counters", "fallbacks")
 _name_args(Manager.get_info, "info")
+_name_args(Manager.namespace_devices, "namespaces")
 _name_args(Manager.link_state_changed, "link", "old_state", "new_state")
 _name_args(Manager.fallback, "connection", "reason", "peer_diagnosis", "reason_name")

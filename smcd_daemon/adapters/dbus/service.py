@@ -13,6 +13,7 @@ same loop, so observer callbacks may send on the bus directly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 from dbus_fast import DBusError, NameFlag, RequestNameReply
 from dbus_fast.aio import MessageBus
 
+from smcd_daemon.adapters.netns_view import namespace_devices, own_netns
 from smcd_daemon.core.devices import (
     DeviceEvent,
     DeviceInventory,
@@ -43,7 +45,7 @@ from smcd_daemon.core.registry import (
 from smcd_daemon.wire.reasons import explain
 
 from .bus import BusError, SmcdMessageBus, track_callers
-from .manager import Manager, ServiceInfo
+from .manager import Manager, NamespaceRow, ServiceInfo
 from .names import (
     BUS_NAME,
     ROOT_PATH,
@@ -121,11 +123,13 @@ class DbusService:
             info if info is not None else ServiceInfo(),
             self._tables_changed,
             allowed_uids if allowed_uids is not None else frozenset({0, os.geteuid()}),
+            self._namespace_devices,
         )
         self._objects: dict[str, RecordInterface] = {}
         self._device_paths: dict[DeviceKey, str] = {}
         self._cleanup: list[Callable[[], None]] = []
         self._owns_name = False
+        self._ns_scan: asyncio.Future[list[NamespaceRow]] | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -284,6 +288,25 @@ class DbusService:
         # D-Bus objects.
         if isinstance(ev.object, NetDevice | RdmaDevice | LoopbackIsm):
             self._sync_devices()
+
+    async def _namespace_devices(self) -> list[NamespaceRow]:
+        """Manager1.NamespaceDevices: smcd's own devices, then those of every other namespace it
+        knows of (named, or a namespace of a process whose connection or listener it holds).
+        Callers that ask while a scan runs share its answer: a flood of calls (reading is open
+        to everybody) costs one scan at a time."""
+        if self._ns_scan is None or self._ns_scan.done():
+            self._ns_scan = asyncio.ensure_future(self._scan_namespaces())
+        return await asyncio.shield(self._ns_scan)
+
+    async def _scan_namespaces(self) -> list[NamespaceRow]:
+        mine = [dict(self._objects[p].values) for p in self._device_paths.values()]
+        rows: list[NamespaceRow] = [(own_netns(), "host", True, mine, "")]
+        pids = {c.pid for c in self.registry.connections() if c.pid}
+        no_pnet = PnetTable()  # another namespace's netdevs are not in smcd's PNET table
+        for ns in await namespace_devices(pids):
+            devices = [device_values(nd, self.inventory, no_pnet) for nd in ns.netdevs]
+            rows.append((ns.inode, ns.name, False, devices, ns.problem))
+        return rows
 
     def _wanted_devices(self) -> dict[DeviceKey, NetDevice | RdmaDevice | LoopbackIsm]:
         wanted: dict[DeviceKey, NetDevice | RdmaDevice | LoopbackIsm] = {}

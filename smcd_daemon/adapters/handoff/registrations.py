@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
+from smcd_daemon.adapters.netns_view import netns_label
 from smcd_daemon.adapters.tcp_identity import netns_of
 from smcd_daemon.core.buffers import DmbLimitError
 from smcd_daemon.core.channel_ledger import Forged, ResumeClaim
@@ -79,6 +80,8 @@ class Registrations:
         finally:
             sock.close()  # the daemon keeps no copy
         cred = client.cred
+        pid = cred.pid if cred else 0
+        ns = netns_of(pid) if pid else None  # the listener's namespace (#15)
         conn = srv.registry.add_connection(
             Connection(
                 conn_id=srv.registry.allocate_conn_id(),
@@ -88,12 +91,11 @@ class Registrations:
                 local_addr="" if ip.is_unspecified else str(ip),
                 local_port=port,
                 uid=cred.uid if cred else 0,
-                pid=cred.pid if cred else 0,
+                pid=pid,
                 inode=inode,
+                netns=netns_label(ns),  # shown as a handed-over connection's is
             )
         )
-        pid = cred.pid if cred else 0
-        ns = netns_of(pid) if pid else None  # the listener's namespace (#15)
         lst = srv.listeners.add(
             ip, port, client.uid, conn.conn_id, pid=pid, netns=ns[0] if ns else 0
         )
@@ -177,6 +179,7 @@ class Registrations:
                 uid=cred.uid if cred else 0,
                 pid=cred.pid if cred else 0,
                 inode=inode,
+                netns=netns_label(netns_of(cred.pid)) if cred and cred.pid else "",
                 token=conn_id & 0xFFFFFFFF,
                 lgr_id=lgr_id,
                 sndbuf_size=req.tx_size,
