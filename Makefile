@@ -86,7 +86,8 @@ clean:
 # `make install` (as root) puts a venv with smcd and its PyPI dependencies in $(PREFIX)/lib/smcd
 # (--system-site-packages: pyverbs and systemd-python come from Debian), links smcd, smcctl and
 # smc-run into $(BINDIR), and installs the units, the D-Bus policy and activation file and
-# /etc/smcd/smcd.toml (kept when it exists). The packages come from a wheelhouse built first
+# /etc/smcd/smcd.toml (kept when it exists), and the peer-detection BPF object (make bpf) next to
+# the module that loads it. The packages come from a wheelhouse built first
 # ($(WHEELHOUSE), the only step that needs PyPI), so a machine that has one installs offline.
 # DESTDIR stages everything under a directory (paths inside the files stay the real ones).
 PREFIX ?= /usr
@@ -112,12 +113,14 @@ $(WHEELHOUSE)/.complete: $(PKG_SOURCES)
 	$(WHEEL_BUILD_VENV)/bin/pip wheel -q --disable-pip-version-check --wheel-dir $(WHEELHOUSE) .
 	@touch $@
 
-install: wheels
+install: wheels $(BPF_OBJ)
 	@umask 022; set -e; \
 	lib='$(DESTDIR)$(SMCD_LIBDIR)'; \
 	$(PY) -m venv --clear --system-site-packages "$$lib"; \
 	"$$lib/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
 		--no-index --find-links '$(WHEELHOUSE)' smcd; \
+	spec='import importlib.util as u; print(u.find_spec("smcd_daemon").submodule_search_locations[0])'; \
+	install -m 0644 $(BPF_OBJ) "$$("$$lib/bin/python" -I -c "$$spec")/adapters/bpf/"; \
 	if [ -n '$(DESTDIR)' ]; then \
 		grep -rlI --null -F "$$lib" "$$lib/bin" "$$lib/pyvenv.cfg" | \
 			xargs -0 -r sed -i "s|$$lib|$(SMCD_LIBDIR)|g"; \

@@ -20,9 +20,10 @@ collect_ignore = ["guest"]
 def systemd_vm(tmp_path_factory: pytest.TempPathFactory) -> SystemdVmRun:
     outdir = tmp_path_factory.mktemp("systemd-vm")
     run = SystemdVmRun(outdir)
-    # The guest installs from the wheelhouse (it has no network): build it here, from PyPI.
+    # The guest installs from the wheelhouse (it has no network): build it here, from PyPI; and
+    # the peer-detection object `make install` puts next to the module.
     done = subprocess.run(
-        ["make", "--no-print-directory", "-C", str(REPO), "wheels"],
+        ["make", "--no-print-directory", "-C", str(REPO), "wheels", "bpf"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if done.returncode != 0:

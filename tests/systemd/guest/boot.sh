@@ -50,7 +50,7 @@ cd "$repo" || exit 1
 # The wheelhouse was built on the host just before the boot; files of the tree edited since then
 # or while the tests run (other work going on in the shared checkout) must not make the offline
 # guest try to rebuild it: its stamp is dated a day ahead.
-touch -d "@$(( $(date +%s) + 86400 ))" .cache/wheels/.complete
+touch -d "@$(( $(date +%s) + 86400 ))" .cache/wheels/.complete build/bpf/smc_option.bpf.o
 echo "{\"uptime_at_tests\": $(cut -d' ' -f1 /proc/uptime), \"systemd\": \"$(systemctl --version | head -n 1)\"}" >"$out/guest.json"
 export HOME=/root PYTHONDONTWRITEBYTECODE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 export SMCD_VM_REPORT="$out/results.jsonl" SMCD_SYSTEMD_VM_OUT="$out"
