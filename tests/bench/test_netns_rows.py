@@ -1,0 +1,55 @@
+"""``bench/run.py --sections netns --quick`` (the two-namespace rows of ``make bench``, #15): two
+container namespaces on a real bridge, the stdlib program on TCP through the bridge and under
+smc-run against one smcd in the host's namespace; every row complete, from one run.
+
+Checks structure, never speed: each row has both figures, the ratio that follows from them, and
+the transport smc-run -v reported for every connection (``smcd``: loopback-ism across the
+namespaces); the namespaces are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "bench" / "run.py"
+NUM = r"[\d,]+(?:\.\d+)?"
+LABELS = {
+    "bulk, 64 KiB writes": ("GB/s", "higher"),
+    "round trip 1 B, p50": ("us", "lower"),
+    "round trip 64 KiB, p50": ("us", "lower"),
+}
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def test_quick_netns_rows_are_complete() -> None:
+    assert os.geteuid() == 0, "the two-namespace rows make namespaces: run the suite as root"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMCD_")}
+    proc = subprocess.run(
+        [sys.executable, os.fspath(RUN), "--sections", "netns", "--quick"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-2000:]
+    assert "note:" not in out and "not measured" not in out, out
+    head = next(line for line in out.splitlines() if line.startswith("metric "))
+    assert head.split() == ["metric", "unit", "tcp-bridge", "smc-run", "smc/tcp", "better", "mode"]
+    for label, (unit, better) in LABELS.items():
+        row = re.search(
+            rf"^{re.escape(label)}\s+{re.escape(unit)}\s+({NUM})\s+({NUM})\s+(\d+\.\d\d)x\s+"
+            rf"{better}\s+(.+)$",
+            out, flags=re.M,
+        )  # fmt: skip
+        assert row, f"row {label!r} missing or incomplete:\n{out}"
+        tcp, smc = (float(v.replace(",", "")) for v in row.group(1, 2))
+        assert abs(float(row.group(3)) - smc / tcp) <= 0.01 + 0.05 * smc / tcp, row.group(0)
+        assert row.group(4).strip() == "smcd", row.group(0)
+    assert not any(n.startswith("smcdbench") for n in _netns()), _netns()
