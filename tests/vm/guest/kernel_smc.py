@@ -46,6 +46,7 @@ __all__ = [
     "modprobe",
     "pnet_add",
     "pnet_del",
+    "rmmod",
     "smc_connect",
     "smc_diag",
     "smc_listen",
@@ -70,6 +71,21 @@ def modprobe(*modules: str) -> None:
     )
     if done.returncode != 0:
         raise KernelSmcError(f"modprobe -a {' '.join(modules)}: {done.stderr.strip()}")
+
+
+def rmmod(*modules: str, timeout: float = 120.0) -> None:
+    """Unload ``modules`` in order, retrying while one is still in use (a closed AF_SMC socket
+    holds the module until the kernel frees it); each one not loaded is skipped."""
+    for mod in modules:
+        deadline = time.monotonic() + timeout
+        while Path(f"/sys/module/{mod}").exists():
+            done = subprocess.run(["rmmod", mod], capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                lsmod = subprocess.run(["lsmod"], capture_output=True, text=True, timeout=30)
+                raise KernelSmcError(f"rmmod {mod}: {done.stderr.strip()}\n{lsmod.stdout}")
+            time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------------ sockets

@@ -24,9 +24,10 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from smcd_daemon.wire import llc
 from tests.vm.guest import daemons as dm
 from tests.vm.guest import kernel_smc as ks
 from tests.vm.guest.daemons import PY, ROOT, Daemon
-from tests.vm.topology import ports_of
+from tests.vm.topology import POLICY_TABLE, Port, ipv4_mapped_gid_text, ports_of
 
 UEID = "SMCD-KERNEL-INTEROP"
 OTHER_UEID = "SMCD-NOT-THE-KERNELS"
@@ -244,6 +245,31 @@ elif action == "many":  # args[0] connections, each 70 KiB+ each way (crossing a
         sys.stdin.readline()
         for s in socks:
             s.close()
+elif action == "echoloop":  # the server echoes; the client sends args[0] bytes per stdin line
+    srv, s = one()
+    say("CONNECTED", mode(s))
+    if role == "server":
+        n = 0
+        while b := s.recv(1 << 16):
+            s.sendall(b)
+            n += len(b)
+        say(json.dumps({"echoed": n}))
+        s.close()
+    else:
+        s.settimeout(60)
+        while sys.stdin.readline().strip() == "round":
+            data = os.urandom(int(args[0]))
+            try:
+                t = threading.Thread(target=s.sendall, args=(data,))
+                t.start()
+                got = recv_exact(s, len(data))
+                t.join(60)
+                say(json.dumps({"ok": got == data, "n": len(got)}))
+            except BaseException as e:
+                say(json.dumps({"ok": False, "error": repr(e)}))
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+        s.close()
 elif action == "echo":  # a few bytes each way, the mode and fallback reason
     srv, s = one()
     res = {"mode": mode(s), "fallback": why(s)}
@@ -269,14 +295,14 @@ def _require_patched_rxe() -> None:
                     "module is loaded", pytrace=False)  # fmt: skip
 
 
-def config(ueid: str) -> str:
+def config(ueid: str, *, max_links: int = 1) -> str:
     return (
         "peer_detection = true\n"
         f'[eid]\nueids = ["{ueid}"]\n'
         "[timeouts]\nclc_wait = 30.0\nproposal_wait = 10.0\nfirst_llc = 30.0\nlinger = 900.0\n"
         # our TEST LINK later than the kernel's (30 s): its probe is the one the LLC test sees
         "test_link = 120.0\n"
-        "[smcr]\nmax_links = 1\n"
+        f"[smcr]\nmax_links = {max_links}\n"
     )
 
 
@@ -399,7 +425,9 @@ def our_conns(d: Daemon, port: int) -> list[dict[str, Any]]:
     return [c for c in d.ctl_json("conns", "-R") if port in (c.get("LocalPort"), c.get("PeerPort"))]
 
 
-def kernel_qps(dev: str) -> list[dict[str, Any]]:
+def rc_qps(dev: str) -> list[dict[str, Any]]:
+    """The RC QPs on ``dev`` port 1 (``rdma res show qp``): the kernel's on rxe_b*, ours on
+    rxe_a*."""
     out = subprocess.run(["rdma", "-j", "res", "show", "qp", "link", f"{dev}/1"],
                          capture_output=True, text=True, timeout=30).stdout  # fmt: skip
     rows = json.loads(out or "[]")
@@ -513,7 +541,7 @@ def test_50_connections_one_link_group(peers: Peers, smcd: Daemon, direction: st
     (lg,) = lgs
     (link,) = lg["LinkObjects"]
     assert link["State"] == "ACTIVE" and lg["Connections"] >= MANY, lg
-    qps = kernel_qps(ports_of("b")[0].rxe)
+    qps = rc_qps(ports_of("b")[0].rxe)
     match = [q for q in qps if q.get("lqpn") == link["PeerQpn"] and q.get("rqpn") == link["Qpn"]]
     assert match, f"our link {link}; the kernel's RC QPs on rxe_b0: {qps}"
     assert match[0].get("state") == "RTS", match
@@ -606,3 +634,219 @@ def test_llc_the_kernel_initiates_is_answered(peers: Peers, smcd: Daemon, scratc
             continue
         assert asked, f"the kernel sent no {kind} request: {from_kernel}"
         assert len(answered) >= len(asked), f"smcd answered {answered} of {asked}: {from_us}"
+
+
+# ---------------------------------------------------------------------------- link groups
+
+
+def llc_messages(traffic: ks.PcapTraffic, src: str, dst: str) -> list[tuple[int, llc.LlcMessage]]:
+    """(destination QP, message) of every LLC message ``src`` sent ``dst``, in order (a
+    retransmission appears again)."""
+    out = []
+    for send in traffic.sends:
+        if send.src != src or send.dst != dst or not send.payload or send.payload[0] == 0xFE:
+            continue
+        try:
+            out.append((send.dest_qp, llc.decode(send.payload)))
+        except Exception:
+            continue
+    return out
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:g} s")
+        time.sleep(0.5)
+
+
+def smcr_groups(d: Daemon) -> list[dict[str, Any]]:
+    """smcd's SMC-R link groups (all of them with the kernel here), with their links."""
+    return [g for g in d.ctl_json("linkgroup", "show", "--links") if g.get("Type") == "SMC-R"]
+
+
+def restart_kernel_smc(d: Daemon) -> None:
+    """``rmmod smc`` (the kernel terminates every link group, DELETE LINK ALL) and load it
+    again with this module's UEID and pnet entry; returns once smcd has no link group left."""
+    b0 = ports_of("b")[0]
+    try:
+        ks.rmmod("smc_diag", "smc")
+        wait_until(lambda: not smcr_groups(d), "end of smcd's link groups with the kernel", 90)
+    finally:
+        ks.modprobe("smc", "smc_diag")
+        ks.ueid_add(UEID)
+        ks.pnet_add("INTEROPB0", b0.ifname, b0.rxe)
+
+
+@pytest.mark.timeout(600)
+def test_kernel_deleting_its_link_groups_is_answered(
+    peers: Peers, smcd: Daemon, scratch: Path
+) -> None:
+    """DELETE LINK ALL from the kernel: it sends one for each link group it terminates
+    (``smc_lgr_cleanup``), here all at once by ``rmmod smc`` (``smc_lgrs_shutdown``, reason
+    OP_INIT_TERM) instead of its idle timer's 10 minutes. smcd as server echoes it (orderly,
+    with the kernel's reason: ``smc_llc_process_srv_delete_link``), as client it terminates and
+    sends its own DELETE LINK ALL (``smc_lgr_cleanup``); no DELETE LINK response is due in
+    either role. Then smcd lists no link group and its QPs are gone."""
+    a0, b0 = ports_of("a")[0], ports_of("b")[0]
+    for direction in ("s2k", "k2s"):  # a link group in each role (or earlier tests' ones)
+        port = fresh_port()
+        server, client = ("kernel", "smcd") if direction == "s2k" else ("smcd", "kernel")
+        peers.start(server, "echo", "server", port)
+        assert peers.line(f"{server}-server") == "LISTENING"
+        peers.start(client, "echo", "client", port)
+        ours = peers.json("smcd-client" if client == "smcd" else "smcd-server")
+        theirs = peers.json("kernel-client" if client == "kernel" else "kernel-server")
+        assert ours["mode"] == "smcr" and theirs["got"].startswith("hello"), (ours, theirs)
+        peers.finish()
+        peers.procs.clear()
+    groups = smcr_groups(smcd)
+    assert {g["Role"] for g in groups} == {"CLNT", "SERV"}, groups
+    links = [(g, lk) for g in groups for lk in g["LinkObjects"]]
+    qpns = {lk["Qpn"] for _, lk in links}
+    assert qpns <= {q.get("lqpn") for q in rc_qps(a0.rxe)}
+    with ks.capture(a0.ifname, ["udp port 4791"], scratch / "delete_link.pcap") as pcap:
+        restart_kernel_smc(smcd)
+        time.sleep(2.0)
+    traffic = ks.PcapTraffic.from_pcap(pcap)
+    kernel_says = llc_messages(traffic, b0.address, a0.address)
+    we_say = llc_messages(traffic, a0.address, b0.address)
+    print(f"Linux {KERNEL}: rmmod smc; LLC from the kernel {kernel_says}; from smcd {we_say}")
+    for g, lk in links:
+        asked = [m for qp, m in kernel_says if qp == lk["Qpn"] and isinstance(m, llc.DeleteLink)]
+        assert asked, f"no DELETE LINK from the kernel for link group {g['Id']:#x}: {kernel_says}"
+        req = asked[0]
+        assert req.flags & llc.DeleteLinkFlag.ALL and not req.is_response, req
+        answers = [m for qp, m in we_say if qp == lk["PeerQpn"] and isinstance(m, llc.DeleteLink)]
+        assert answers, f"smcd ({g['Role']}) sent no DELETE LINK back: {we_say}"
+        ans = answers[0]
+        assert ans.flags & llc.DeleteLinkFlag.ALL and not ans.is_response and ans.is_v2, ans
+        if g["Role"] == "SERV":
+            assert ans.flags & llc.DeleteLinkFlag.ORDERLY and ans.reason == req.reason, (req, ans)
+        else:
+            assert ans.reason == llc.DeleteLinkReason.PROGRAM_TERMINATION, ans
+    assert not smcr_groups(smcd)
+    left = {q.get("lqpn") for q in rc_qps(a0.rxe)} & qpns
+    assert not left, f"smcd's QPs {left} outlived their link groups: {rc_qps(a0.rxe)}"
+
+
+B1_EXTRA = "192.0.2.66"
+"""An address on the kernel's second NIC in the subnet of its first (as /24): SMC-Rv2 takes an
+alternate RoCE device only if its netdev has an address matching the link group's source
+address under its own mask (``smc_ib_determine_gid``), which the topology's /32s never do."""
+
+
+def _gid_ready(p: Port) -> bool:
+    base = Path("/sys/class/infiniband") / p.rxe / "ports" / "1"
+    try:
+        state = (base / "state").read_text()
+        return "ACTIVE" in state and (base / "gids" / "1").read_text().strip() == (
+            ipv4_mapped_gid_text(p.address)
+        )
+    except OSError:
+        return False
+
+
+def nic_up(p: Port) -> None:
+    """Up again with the policy route the kernel flushed when it went down; the rxe port
+    ACTIVE with its GID."""
+    dm.ip_batch([f"link set dev {p.ifname} up",
+                 f"route replace {p.peer_address}/32 dev {p.ifname} src {p.address} "
+                 f"table {POLICY_TABLE}"])  # fmt: skip
+    wait_until(lambda: _gid_ready(p), f"{p.rxe} ACTIVE with its IPv4 GID", 60)
+
+
+@pytest.mark.timeout(900)
+def test_kernel_adds_a_second_link_and_fails_over(
+    peers: Peers, smcd: Daemon, scratch: Path
+) -> None:
+    """ADD LINK from the kernel with a second device: the kernel (server, SMC-Rv2) offers a
+    link on rxe_b1 right after the first contact (v2 ADD LINK with its rkeys in the extension);
+    smcd (client, rxe_a1 under the same PNETID) answers with its own, CONFIRM LINK goes both
+    ways on the new link and the link group is symmetric on both sides. Then the kernel's first
+    NIC goes down: it moves the connection to the second link and deletes the first (DELETE
+    LINK, answered), and the same connection keeps moving checksummed data."""
+    a0, a1 = ports_of("a")
+    b0, b1 = ports_of("b")
+    if smcr_groups(smcd):  # the connection must be a first contact, not join an old group
+        restart_kernel_smc(smcd)
+    dm.ip_batch([f"addr add {B1_EXTRA}/24 dev {b1.ifname} noprefixroute",
+                 f"route add {B1_EXTRA}/32 dev {a1.ifname} src {a1.address} "
+                 f"table {POLICY_TABLE}"])  # fmt: skip
+    port = fresh_port()
+    try:
+        ks.pnet_add("INTEROPB0", b1.ifname, b1.rxe)
+        for p in (a0, a1):  # smcd's second device: rxe_a1 under the first one's PNETID
+            smcd.ctl("pnet", "add", "INTEROPA", "-I", p.ifname, "-D", p.rxe)
+        smcd.reload(config(UEID, max_links=2))
+        bpf = ["udp port 4791"]
+        with (
+            ks.capture(a0.ifname, bpf, scratch / "add_link_wire0.pcap") as pcap0,
+            ks.capture(a1.ifname, bpf, scratch / "add_link_wire1.pcap") as pcap1,
+        ):
+            peers.start("kernel", "echoloop", "server", port)
+            assert peers.line("kernel-server") == "LISTENING"
+            peers.start("smcd", "echoloop", "client", port, 300_007)
+            got = peers.line("smcd-client").split()
+            assert got[:2] == ["CONNECTED", "smcr"], peers.fail(f"our end: {got}")
+            assert peers.line("kernel-server").startswith("CONNECTED")
+            assert kernel_socket(port).mode == "SMCR"
+
+            def links() -> dict[str, dict[str, Any]]:
+                """Our link group's ACTIVE links by RDMA device."""
+                groups = smcr_groups(smcd)
+                return {lk["IbDev"]: lk for g in groups for lk in g["LinkObjects"]
+                        if lk["State"] == "ACTIVE"}  # fmt: skip
+
+            try:
+                wait_until(lambda: set(links()) == {a0.rxe, a1.rxe}, "second link", 120)
+            except AssertionError as e:
+                peers.fail(f"{e}: {smcr_groups(smcd)}")
+            (group,) = smcr_groups(smcd)
+            second = links()[a1.rxe]
+            pair = (second["PeerQpn"], second["Qpn"])
+            kqp = [q for q in rc_qps(b1.rxe) if (q.get("lqpn"), q.get("rqpn")) == pair]
+            assert kqp and kqp[0].get("state") == "RTS", (second, rc_qps(b1.rxe))
+            assert second["PeerGid"] != links()[a0.rxe]["PeerGid"], group
+            print(f"Linux {KERNEL}: two links, {group['LgrType']}: {group['LinkObjects']}")
+            assert group["LgrType"] == "SYM", group
+            peers.tell("smcd-client")
+            assert peers.json("smcd-client")["ok"]
+            dm.ip_batch([f"link set dev {b0.ifname} down"])
+            try:
+                wait_until(lambda: set(links()) == {a1.rxe}, "failover to the second link", 120)
+                peers.tell("smcd-client")
+                res = peers.json("smcd-client")
+                assert res["ok"], res
+                assert kernel_socket(port).mode == "SMCR"
+                time.sleep(2.0)
+            finally:
+                nic_up(b0)
+        peers.finish()
+        assert peers.procs["kernel-server"].returncode == 0
+    finally:
+        dm.ip_batch([f"addr del {B1_EXTRA}/24 dev {b1.ifname}",
+                     f"route del {B1_EXTRA}/32 table {POLICY_TABLE}"], force=True)  # fmt: skip
+        with contextlib.suppress(AssertionError):
+            smcd.ctl("pnet", "del", "INTEROPA")
+        smcd.reload(config(UEID))
+    t0, t1 = ks.PcapTraffic.from_pcap(pcap0), ks.PcapTraffic.from_pcap(pcap1)
+    k0, s0 = llc_messages(t0, b0.address, a0.address), llc_messages(t0, a0.address, b0.address)
+    k1, s1 = llc_messages(t1, b1.address, a1.address), llc_messages(t1, a1.address, b1.address)
+    print(f"Linux {KERNEL}: wire 0 kernel {k0}\nsmcd {s0}\nwire 1 kernel {k1}\nsmcd {s1}")
+    offer = next(m for _, m in k0 if isinstance(m, llc.AddLink) and not m.is_response)
+    first_gid = bytes(10) + b"\xff\xff" + socket.inet_aton(b0.address)
+    assert offer.is_v2 and offer.ext is not None and offer.sender_gid != first_gid, offer
+    answer = next(m for _, m in s0 if isinstance(m, llc.AddLink) and m.is_response)
+    assert not answer.flags & llc.AddLinkFlag.REJECT and answer.ext is not None, answer
+    assert answer.link_num == offer.link_num and len(answer.ext.rkeys) >= 1
+    conf = [m for _, m in k1 if isinstance(m, llc.ConfirmLink)]
+    conf_ours = [m for _, m in s1 if isinstance(m, llc.ConfirmLink)]
+    assert conf and not conf[0].is_response and conf_ours and conf_ours[0].is_response
+    # the first link goes: the kernel's DELETE LINK request for it, smcd's response
+    dels = [m for _, m in k1 if isinstance(m, llc.DeleteLink) and not m.is_response]
+    assert dels and dels[0].link_num != offer.link_num, k1
+    gone = dels[0].link_num
+    assert [m for _, m in s1 if isinstance(m, llc.DeleteLink) and m.is_response
+            and m.link_num == gone], s1  # fmt: skip
