@@ -1,7 +1,7 @@
-"""``make bench-rdma``: smcd SMC-R vs plain TCP between two applications over the same emulated
-link, in one table from one run. It runs *inside* the Soft-RoCE VM (``tests/vm``; the guest test
-``test_smcr_bench`` runs it), where host A is 192.0.2.1 (smca0/rxe_a0) and host B 192.0.2.2
-(smcb0/rxe_b0), joined by one virtio wire:
+"""``make bench-rdma``: smcd SMC-R vs plain TCP vs the Linux kernel's own SMC-R between two
+applications over the same emulated link, in one table from one run. It runs *inside* the
+Soft-RoCE VM (``tests/vm``; the guest test ``test_smcr_bench`` runs it), where host A is
+192.0.2.1 (smca0/rxe_a0) and host B 192.0.2.2 (smcb0/rxe_b0), joined by one virtio wire:
 
     python bench/smcr_vm.py [--quick] [--out FILE] [--json FILE] [--logs DIR]
 
@@ -15,12 +15,23 @@ RMB → application). TCP is the same two processes with plain sockets (``TCP_NO
 same addresses, so its packets cross the same virtio wire. An SMC-R figure is only reported when
 both ends really are on SMC-R (``mode == "smcr"``), never a fallback measured as SMC-R.
 
+The kernel is the anchor: the ``kernel`` column is the same two processes on AF_SMC sockets
+(the kernel's SMC-R over the same rxe devices and wire, SMC-Rv2 as rxe has only RoCEv2 GIDs), set
+up as ``tests/vm/guest/test_kernel_interop.py`` does: ``modprobe smc smc_diag``, a pnet entry per
+"host" (smca0 -> rxe_a0, smcb0 -> rxe_b0: rxe has no netdev of its own for SMC to find, and one
+pnetid per host keeps either side from picking the other's device in the shared kernel), a
+UEID, and the patched rdma_rxe (``tests/vm/kmod.py``; the stock 6.1 module hangs the kernel's
+link setup). Falling back is silent for an AF_SMC application, so every kernel connection is
+looked up in ``smc_diag`` on both ends and counts only in mode SMCR. Its bulk transfers ask for
+the same 512 KiB buffers as smcd's (``SO_RCVBUFFORCE``/``SO_SNDBUFFORCE`` before ``listen`` /
+``connect``); the RMB sizes the kernel chose are printed under the table.
+
 Every byte is checked: the throughput reader keeps a CRC-32 of everything it received and
 returns it with its acknowledgement (the writer computed the expected one before the clock
 started); every ping-pong echo is compared with what was sent (each round's message differs).
 
 Nothing asserts a number: under qemu/TCG everything is 10-100x slower than on hardware and
-the ratio is what there is to see. Exit status 0 when every figure was measured and verified,
+the ratios are what there is to see. Exit status 0 when every figure was measured and verified,
 1 otherwise (the table says ``n/a`` and a note says why).
 """
 
@@ -28,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import socket
@@ -52,12 +65,15 @@ from _table import format_number as _num  # noqa: E402
 
 import smc_handoff  # noqa: E402
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd, stop_all  # noqa: E402
+from tests.vm.guest import kernel_smc as ks  # noqa: E402
+from tests.vm.topology import ports_of  # noqa: E402
 
 SERVER = "192.0.2.2"
 CLIENT = "192.0.2.1"
 PORT = 47390
 UEID = "SMCD-BENCH-RDMA"
-KINDS = ("tcp", "smcr")
+KINDS = ("tcp", "smcr", "kernel")
+RATIOS = (("smcr", "tcp"), ("kernel", "tcp"), ("smcr", "kernel"))
 CHILD_TIMEOUT = 120.0
 READY_TIMEOUT = 180.0
 RECV_BUF = 1 << 20
@@ -110,16 +126,16 @@ class Row:
     key: str
     unit: str
     scale: float
-    better: str  # what a ratio above 1 means
+    better: str  # what a ratio x/y above 1 means for x
 
 
 ROWS = (
-    Row("throughput, 64 KiB writes", "tput", "MiB/s", 1 << 20, "SMC-R faster"),
-    Row("ping-pong RTT 64 B, p50", "rtt_p50", "us", 1.0, "SMC-R slower"),
-    Row("ping-pong RTT 64 B, p99", "rtt_p99", "us", 1.0, "SMC-R slower"),
-    Row("connect (+handoff), p50", "connect_p50", "ms", 1.0, "SMC-R slower"),
+    Row("throughput, 64 KiB writes", "tput", "MiB/s", 1 << 20, "faster"),
+    Row("ping-pong RTT 64 B, p50", "rtt_p50", "us", 1.0, "slower"),
+    Row("ping-pong RTT 64 B, p99", "rtt_p99", "us", 1.0, "slower"),
+    Row("connect (+handoff), p50", "connect_p50", "ms", 1.0, "slower"),
 )
-HEADER = ("metric", "unit", "tcp", "smcr", "smcr/tcp", "ratio > 1 means")
+HEADER = ("metric", "unit", *KINDS, *(f"{x}/{y}" for x, y in RATIOS), "x/y > 1: x is")
 NA = "n/a"
 
 
@@ -134,6 +150,8 @@ class Results:
     notes: list[str] = field(default_factory=list)
     checked_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     daemon_start_s: float = 0.0
+    kernel: dict[str, Any] = field(default_factory=dict)
+    """The kernel side: its version, the smc_diag modes seen and the RMB sizes it chose."""
 
     def complete(self) -> bool:
         return all(
@@ -180,16 +198,140 @@ def two_daemons(logs: Path) -> Iterator[tuple[PrivateSmcd, PrivateSmcd]]:
         b.cleanup()
 
 
+# ---------------------------------------------------------------------------- the kernel's SMC-R
+
+
+KERNEL_PNET = (("BENCHA0", "a"), ("BENCHB0", "b"))
+_SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def kernel_smcr() -> Iterator[None]:
+    """The kernel's SMC-R between the two hosts' wire-0 ports, for the block; what this added
+    (pnet entries, the UEID) is removed after. A RuntimeError says why it cannot run."""
+    taint = Path("/sys/module/rdma_rxe/taint")
+    if not (taint.exists() and "O" in taint.read_text()):
+        raise RuntimeError(
+            "the stock rdma_rxe is loaded: the kernel's SMC-R needs the patched module "
+            "(tests/vm/kmod.py)"
+        )
+    try:
+        ks.modprobe("smc", "smc_diag")
+    except ks.KernelSmcError as e:
+        raise RuntimeError(str(e)) from e
+    undo: list[Callable[[], None]] = []
+    try:
+        steps: list[tuple[Callable[[], None], Callable[[], None]]] = [
+            (lambda: ks.ueid_add(UEID), lambda: ks.ueid_del(UEID))
+        ]
+        for pnetid, host in KERNEL_PNET:
+            port = ports_of(host)[0]
+            steps.append(
+                (
+                    lambda i=pnetid, p=port: ks.pnet_add(i, p.ifname, p.rxe),
+                    lambda i=pnetid: ks.pnet_del(i),
+                )
+            )
+        for do, undo_it in steps:
+            try:
+                do()
+            except OSError as e:
+                if e.errno != errno.EEXIST:  # left by an earlier test: it serves as well
+                    raise RuntimeError(f"kernel SMC set-up: {e}") from e
+            else:
+                undo.append(undo_it)
+        yield
+    finally:
+        for undo_it in reversed(undo):
+            with contextlib.suppress(OSError, ks.KernelSmcError):
+                undo_it()
+
+
+def _af_smc(bufsize: int) -> socket.socket:
+    """A new AF_SMC socket (made by libc, wrapped by descriptor: Python then sees the family of
+    its TCP socket, AF_INET), with the buffers the kernel sizes its RMB and send buffer from."""
+    fd = _libc.socket(ks.AF_SMC, socket.SOCK_STREAM, 0)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "socket(AF_SMC)")
+    sock = socket.socket(fileno=fd)
+    if bufsize:  # the kernel halves sk_rcvbuf/sk_sndbuf for its buffers, as SO_RCVBUF doubles
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, bufsize)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, bufsize)
+    return sock
+
+
+def _sockaddr(ip: str, port: int) -> ctypes.Array[ctypes.c_char]:
+    raw = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(ip)
+    return ctypes.create_string_buffer(raw + bytes(8), 16)
+
+
+def _libc_call(rc: int, what: str) -> None:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def kernel_listen(bufsize: int) -> socket.socket:
+    sock = _af_smc(bufsize)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _libc_call(_libc.bind(sock.fileno(), _sockaddr(SERVER, PORT), 16), "bind AF_SMC")
+    sock.listen(64)
+    return sock
+
+
+def kernel_dial(bufsize: int) -> socket.socket:
+    """connect() of an AF_SMC socket: the TCP handshake and the whole CLC exchange."""
+    sock = _af_smc(bufsize)
+    try:
+        _libc_call(_libc.bind(sock.fileno(), _sockaddr(CLIENT, 0), 16), "bind AF_SMC")
+        _libc_call(_libc.connect(sock.fileno(), _sockaddr(SERVER, PORT), 16), "connect AF_SMC")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(60)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def kernel_mode(sock: socket.socket, role: str) -> ks.DiagSocket:
+    """This connection as ``smc_diag`` sees it; NotOnSmc unless it runs on SMC-R."""
+    local, peer = sock.getsockname(), sock.getpeername()
+    key = (local[0], local[1], peer[0], peer[1])
+    found = [d for d in ks.smc_diag() if (d.src, d.sport, d.dst, d.dport) == key]
+    if not found:
+        raise NotOnSmc(f"kernel {role}: {key} not in smc_diag")
+    d = found[0]
+    if d.mode != "SMCR":
+        reason = f"{d.fallback_reason:#x}" if d.fallback_reason is not None else "?"
+        raise NotOnSmc(f"kernel {role} on {d.mode} (fallback reason {reason})")
+    return d
+
+
 # ---------------------------------------------------------------------------- the pairs
 
 
 class Pair:
     """Dialing (parent, host A) and accepting (child, host B) for one kind of stream."""
 
-    def __init__(self, kind: str, a: PrivateSmcd, b: PrivateSmcd, dmb_size: int = 0) -> None:
-        self.kind, self.a, self.b, self.dmb_size = kind, a, b, dmb_size
+    def __init__(
+        self,
+        kind: str,
+        a: PrivateSmcd,
+        b: PrivateSmcd,
+        dmb_size: int = 0,
+        res: Results | None = None,
+    ) -> None:
+        self.kind, self.a, self.b, self.dmb_size, self.res = kind, a, b, dmb_size, res
 
-    def dial(self) -> socket.socket:
+    def dial(self, check: bool = True) -> socket.socket:
+        """A connected socket on this pair's transport; ``check=False`` leaves the kernel's
+        smc_diag look-up to :meth:`check` (so a connect time does not include it)."""
+        if self.kind == "kernel":
+            sock = kernel_dial(self.dmb_size)
+            if check:
+                self.check(sock)
+            return sock
         sock = socket.create_connection((SERVER, PORT), 60, source_address=(CLIENT, 0))
         if self.kind == "tcp":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -200,8 +342,35 @@ class Pair:
             raise NotOnSmc(f"client on {smc.mode}: {smc.fallback}")
         return smc
 
+    def check(self, sock: socket.socket) -> None:
+        """The client end of a kernel connection is on SMC-R (smc_diag); what it saw is kept."""
+        if self.kind != "kernel":
+            return
+        try:
+            d = kernel_mode(sock, "client")
+        except BaseException:
+            sock.close()
+            raise
+        if self.res is not None:
+            seen = self.res.kernel.setdefault("client_modes", {})
+            seen[d.mode] = seen.get(d.mode, 0) + 1
+            if self.dmb_size:
+                self.res.kernel["bulk_rmb_client"] = d.rmbe_size
+                self.res.kernel["bulk_rmb_server"] = d.peer_rmbe_size
+
     def listen(self) -> Callable[[], socket.socket]:
         """In the child: the listener's accept function."""
+        if self.kind == "kernel":
+            ksock = kernel_listen(self.dmb_size)
+
+            def accept_kernel() -> socket.socket:
+                conn, _ = ksock.accept()
+                conn.settimeout(60)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                kernel_mode(conn, "server")  # NotOnSmc: the child exits 3
+                return conn
+
+            return accept_kernel
         lsock = socket.create_server((SERVER, PORT), backlog=64)
         if self.kind == "tcp":
 
@@ -242,7 +411,8 @@ class Pair:
             server,
             client_side,
             what=self.kind,
-            off_smc="a connection was not on SMC-R",
+            off_smc="a connection was not on SMC-R"
+            + (" (smc_diag of the server end)" if self.kind == "kernel" else ""),
             timeout=CHILD_TIMEOUT,
             grace=2.0,
         )
@@ -316,7 +486,7 @@ def throughput(pair: Pair, plan: Plan) -> tuple[float, int]:
                 conn.sendall(struct.pack("!I", crc))
             conn.recv(1)  # EOF
 
-    return Pair(pair.kind, pair.a, pair.b, BULK_RMB).run(client, server)
+    return Pair(pair.kind, pair.a, pair.b, BULK_RMB, pair.res).run(client, server)
 
 
 def pingpong(pair: Pair, plan: Plan) -> tuple[float, float, int]:
@@ -373,8 +543,9 @@ def connect_setup(pair: Pair, plan: Plan) -> tuple[float, int]:
 
     def one(p: Pair) -> float:
         t0 = time.perf_counter()
-        sock = p.dial()
+        sock = p.dial(check=False)
         elapsed = time.perf_counter() - t0
+        p.check(sock)
         with sock:
             sock.sendall(b"x")
             if _recv_exactly(sock, 1) != b"x":
@@ -406,54 +577,80 @@ def _pct(ordered: list[int], p: int) -> float:
 
 def measure(plan: Plan, a: PrivateSmcd, b: PrivateSmcd, log: Callable[[str], None]) -> Results:
     res = Results()
+    res.kernel["version"] = os.uname().release
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(kernel_smcr())
+            kinds = KINDS
+        except RuntimeError as e:
+            res.notes.append(f"kernel: {e}")
+            log(f"  kernel SMC-R not available: {e}")
+            kinds = tuple(k for k in KINDS if k != "kernel")
+        _measure(plan, a, b, log, res, kinds)
+    return res
+
+
+def _measure(
+    plan: Plan,
+    a: PrivateSmcd,
+    b: PrivateSmcd,
+    log: Callable[[str], None],
+    res: Results,
+    kinds: tuple[str, ...],
+) -> None:
     metrics: list[tuple[str, Callable[[Pair, Plan], tuple[Any, ...]], tuple[str, ...]]] = [
         ("throughput", throughput, ("tput",)),
         ("ping-pong", pingpong, ("rtt_p50", "rtt_p99")),
         ("connect", connect_setup, ("connect_p50",)),
     ]
     for name, fn, keys in metrics:
-        for kind in KINDS:  # back to back, so drift of the machine hits both alike
+        for kind in kinds:  # back to back, so drift of the machine hits all alike
             t0 = time.monotonic()
             try:
-                *values, checked = fn(Pair(kind, a, b), plan)
+                *values, checked = fn(Pair(kind, a, b, res=res), plan)
             except (NotOnSmc, VerifyError, RuntimeError, OSError) as e:
                 res.notes.append(f"{kind} {name}: {type(e).__name__}: {e}")
-                log(f"  {kind:4} {name}: failed ({e})")
+                log(f"  {kind:6} {name}: failed ({e})")
                 continue
             for key, value in zip(keys, values, strict=True):
                 res.figures[kind][key] = float(value)
                 res.verified[kind][key] = True
             res.checked_bytes[kind] += checked
-            log(f"  {kind:4} {name}: {values} ({time.monotonic() - t0:.1f} s)")
-    return res
+            log(f"  {kind:6} {name}: {values} ({time.monotonic() - t0:.1f} s)")
 
 
 def cells(res: Results) -> list[tuple[str, ...]]:
     """The table as strings, header first (what the guest test checks)."""
     out: list[tuple[str, ...]] = [HEADER]
     for row in ROWS:
-        t, s = res.figures["tcp"].get(row.key), res.figures["smcr"].get(row.key)
-        ratio = NA if t is None or s is None or t == 0 else f"{s / t:.2f}x"
-        out.append((row.label, row.unit, _num(t, row.scale), _num(s, row.scale), ratio, row.better))
+        got = {k: res.figures[k].get(row.key) for k in KINDS}
+        values = tuple(_num(got[k], row.scale) for k in KINDS)
+        ratios = tuple(_ratio(got[x], got[y]) for x, y in RATIOS)
+        out.append((row.label, row.unit, *values, *ratios, row.better))
     return out
+
+
+def _ratio(x: float | None, y: float | None) -> str:
+    return NA if x is None or y is None or y == 0 else f"{x / y:.2f}x"
 
 
 def render(res: Results, plan: Plan, quick: bool) -> str:
     rows = cells(res)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = [
-        "smcd SMC-R vs TCP over the same emulated link: 192.0.2.1 (smca0/rxe_a0) -> 192.0.2.2 "
-        "(smcb0/rxe_b0), virtio + Soft-RoCE under qemu/TCG",
+        "smcd SMC-R vs TCP vs the kernel's SMC-R over the same emulated link: 192.0.2.1 "
+        "(smca0/rxe_a0) -> 192.0.2.2 (smcb0/rxe_b0), virtio + Soft-RoCE under qemu/TCG",
         f"{'quick' if quick else 'full'} run: throughput {plan.tput_bytes >> 20} MiB x "
         f"{plan.tput_repeats} (median) after {plan.tput_warmup >> 20} MiB warm-up; RTT "
         f"{plan.rtt_rounds} rounds after {plan.rtt_warmup}; connect {plan.setup_count} after 1; "
         "no targets under emulation",
         "",
     ]
+    last = len(HEADER) - 1
     for n, r in enumerate(rows):
         parts = [r[0].ljust(widths[0]), r[1].ljust(widths[1])]
-        parts += [c.rjust(w) for c, w in zip(r[2:5], widths[2:5], strict=True)]
-        parts.append(r[5])
+        parts += [c.rjust(w) for c, w in zip(r[2:last], widths[2:last], strict=True)]
+        parts.append(r[last])
         lines.append("  ".join(parts).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -463,9 +660,25 @@ def render(res: Results, plan: Plan, quick: bool) -> str:
         "",
         f"data verified: {verdict} (CRC-32 of every throughput byte, every echo compared; "
         f"{checked})",
+        _kernel_line(res),
     ]
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)
+
+
+def _kernel_line(res: Results) -> str:
+    k = res.kernel
+    modes = ", ".join(f"{m} {n}" for m, n in sorted(k.get("client_modes", {}).items())) or "none"
+    rmbs = ""
+    if k.get("bulk_rmb_client") is not None:
+        rmbs = (
+            f"; bulk RMBs the kernel chose: client {k['bulk_rmb_client'] >> 10} KiB, "
+            f"server {k['bulk_rmb_server'] >> 10} KiB"
+        )
+    return (
+        f"kernel: Linux {k.get('version', '?')}, AF_SMC on both ends; smc_diag modes of the "
+        f"client ends: {modes} (server ends checked too){rmbs}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

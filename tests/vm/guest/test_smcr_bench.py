@@ -1,10 +1,11 @@
-"""The SMC-R vs TCP benchmark (``bench/smcr_vm.py``) runs inside the Soft-RoCE VM: two private
-smcd daemons, two application processes, smcd SMC-R and plain TCP over the same virtio wire
-(192.0.2.1 → 192.0.2.2). The test checks the run is complete (every figure measured for both,
-every ratio present, SMC-R really used on both ends) and that the data was verified; it asserts
-no speed. The table goes to ``$SMCD_VM_OUT/smcr-bench.txt`` (``make bench-rdma`` prints it) and
-to stdout (``-s``, the guest log). ``SMCD_GUEST_BENCH_FULL=1`` runs the full volumes instead of
-``--quick``.
+"""The SMC-R benchmark (``bench/smcr_vm.py``) runs inside the Soft-RoCE VM: two private smcd
+daemons, two application processes, smcd SMC-R, plain TCP and the kernel's own SMC-R (AF_SMC on
+both ends, the anchor) over the same virtio wire (192.0.2.1 → 192.0.2.2). The test checks the run
+is complete (every figure measured for all three, every ratio present, SMC-R really used on both
+ends: ``sock.mode`` for smcd, ``smc_diag`` mode SMCR for every kernel connection) and that the
+data was verified; it asserts no speed. The table goes to ``$SMCD_VM_OUT/smcr-bench.txt``
+(``make bench-rdma`` prints it) and to stdout (``-s``, the guest log).
+``SMCD_GUEST_BENCH_FULL=1`` runs the full volumes instead of ``--quick``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_smcr_bench_table_complete_and_verified(out_dir: Path, scratch: Path) ->
     cmd = [sys.executable, str(BENCH), "--out", str(table_file), "--json", str(raw_file),
            "--logs", str(scratch / "daemons"), *([] if full else ["--quick"])]  # fmt: skip
     done = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1400 if full else 560, check=False
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1400 if full else 800, check=False
     )
     print(f"\n{done.stdout}\n--- progress\n{done.stderr[-3000:]}")
     assert done.returncode == 0, f"bench exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
@@ -43,12 +44,22 @@ def test_smcr_bench_table_complete_and_verified(out_dir: Path, scratch: Path) ->
     raw = json.loads(raw_file.read_text())
     assert raw["complete"] is True and not raw["notes"], raw["notes"]
     header, *rows = raw["table"]
-    assert header[:5] == ["metric", "unit", "tcp", "smcr", "smcr/tcp"]
+    assert header[:8] == [
+        "metric", "unit", "tcp", "smcr", "kernel", "smcr/tcp", "kernel/tcp", "smcr/kernel"
+    ]  # fmt: skip
     assert tuple(r[0] for r in rows) == ROWS
     for r in rows:
         assert "n/a" not in r, r
-        assert r[4].endswith("x") and float(r[4][:-1]) > 0, r
-    for kind in ("tcp", "smcr"):
+        for ratio in r[5:8]:
+            assert ratio.endswith("x") and float(ratio[:-1]) > 0, r
+    # Every kernel connection's client end was SMCR in smc_diag (its server end too, or the
+    # child would have failed the figure): throughput, ping-pong, and 1 + setup_count connects.
+    kernel = raw["kernel"]
+    assert kernel["version"] == os.uname().release, kernel
+    assert kernel["client_modes"] == {"SMCR": 3 + raw["plan"]["setup_count"]}, kernel
+    assert kernel["bulk_rmb_client"] > 0 and kernel["bulk_rmb_server"] > 0, kernel
+    assert f"kernel: Linux {os.uname().release}, AF_SMC on both ends" in done.stdout
+    for kind in ("tcp", "smcr", "kernel"):
         figures, verified = raw["figures"][kind], raw["verified"][kind]
         assert set(figures) == set(verified) == {"tput", "rtt_p50", "rtt_p99", "connect_p50"}
         assert all(verified.values()) and all(v > 0 for v in figures.values()), (kind, raw)
