@@ -8,8 +8,10 @@ Namespaces: a router ``r`` holding a Linux bridge (198.51.100.1/24) and two "con
 (198.51.100.2) and ``b`` (198.51.100.3) on veth ports of it. ``bench/user_app.py`` (stdlib only)
 serves in ``b`` on the wildcard address and its client runs in ``a``, as they are (TCP through the
 bridge) and under ``smc-run -v`` against a private smcd in the host's namespace (embedded
-defaults; its handoff socket reached by path, as a bind mount gives a container). Each figure is
-the median of ``repeats`` fresh process pairs, TCP and smcd back to back; each row says what its
+defaults; its handoff socket reached by path, as a bind mount gives a container), and for
+comparison as they are on TCP loopback in the host's namespace (the issue expects the ratio to
+TCP to be larger through a bridge than on loopback). Each figure is
+the median of ``repeats`` fresh process pairs, the three back to back; each row says what its
 connections got. Making namespaces needs root: without it the rows are not measured and say so.
 """
 
@@ -34,7 +36,9 @@ sys.path.insert(1, os.fspath(Path(__file__).resolve().parents[1]))
 from userview import APP, App, mode_text, smc_run
 
 PREFIX = f"smcdbench{os.getpid() % 1000}"
-KINDS = ("tcp", "smc")
+KINDS = ("lo", "tcp", "smc")
+"""TCP loopback in the host's namespace (the baseline the bridge is compared with), TCP through
+the bridge, smcd between the two namespaces."""
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,20 @@ class NsApp(App):
 
 def run_pair(ns: dict[str, str], kind: str, env: dict[str, str], server: list[object],
              client: list[object]) -> tuple[dict[str, float], Counter[str]]:  # fmt: skip
-    srv = NsApp(ns["b"], kind, {**env, "USER_APP_BIND": "0.0.0.0"}, server)
+    """One server in ``b`` and its client in ``a`` (``lo``: both on loopback in the host's
+    namespace, plain TCP)."""
+    srv: App
+    if kind == "lo":
+        srv = App("tcp", env, server)
+    else:
+        srv = NsApp(ns["b"], kind, {**env, "USER_APP_BIND": "0.0.0.0"}, server)
     try:
         port = srv.port()
-        cli = NsApp(ns["a"], kind, {**env, "USER_APP_PEER": "198.51.100.3"},
-                    [*client[:1], port, *client[1:]])  # fmt: skip
+        args: list[object] = [*client[:1], port, *client[1:]]
+        if kind == "lo":
+            cli: App = App("tcp", env, args)
+        else:
+            cli = NsApp(ns["a"], kind, {**env, "USER_APP_PEER": "198.51.100.3"}, args)
         result = cli.result()
         modes = cli.modes() + srv.modes()
     finally:
@@ -186,7 +199,7 @@ def run_netns_rows(plan: NetnsPlan, progress: Callable[[str], None]) -> NetnsRow
         except (DaemonStartError, subprocess.CalledProcessError, OSError) as e:
             rows.notes.append(f"two-namespace rows: set-up failed: {e}")
             return rows
-        envs = {"tcp": base, "smc": {**base, **daemon.env}}
+        envs = {"lo": base, "tcp": base, "smc": {**base, **daemon.env}}
         for i in range(plan.repeats):
             for key, server, client, field_, scale in rows.tests():
                 for kind in KINDS:
@@ -218,14 +231,15 @@ def _fmt(value: float | None, unit: str) -> str:
 
 
 def render(rows: NetnsRows) -> str:
-    head = ("metric", "unit", "tcp-bridge", "smc-run", "smc/tcp", "better", "mode")
+    head = ("metric", "unit", "tcp-lo", "tcp-bridge", "smc-run", "smc/bridge", "smc/lo",
+            "better", "mode")  # fmt: skip
     table: list[tuple[str, ...]] = [head]
     for row in ROWS:
-        tcp, smc = rows.value(row.key, "tcp"), rows.value(row.key, "smc")
-        ratio = f"{smc / tcp:.2f}x" if tcp and smc is not None else "n/a"
+        lo, tcp, smc = (rows.value(row.key, k) for k in KINDS)
+        ratios = [f"{smc / b:.2f}x" if b and smc is not None else "n/a" for b in (tcp, lo)]
         modes = rows.modes.get(row.key)
-        table.append((row.label, row.unit, _fmt(tcp, row.unit), _fmt(smc, row.unit), ratio,
-                      row.better, mode_text(modes) if modes else "n/a"))  # fmt: skip
+        table.append((row.label, row.unit, *(_fmt(v, row.unit) for v in (lo, tcp, smc)),
+                      *ratios, row.better, mode_text(modes) if modes else "n/a"))  # fmt: skip
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = []
     for i, r in enumerate(table):
@@ -241,7 +255,7 @@ def print_netns_rows(rows: NetnsRows) -> None:
     print(
         "two namespaces on a bridge (#15): the stdlib program (bench/user_app.py) in container "
         "namespaces a and b, TCP through the bridge vs smc-run against one smcd in the host's "
-        "namespace (no configuration)"
+        "namespace (no configuration), and TCP loopback for comparison"
     )
     if rows.skipped:
         print(f"not measured: {rows.skipped}")
@@ -255,8 +269,9 @@ def print_netns_rows(rows: NetnsRows) -> None:
     print(render(rows))
     print()
     print(
-        "smc/tcp: smcd's figure over TCP's through the bridge (better: which way is better); "
-        "mode = what smc-run -v reported for every connection of the row"
+        "tcp-lo: the same programs on TCP loopback in the host's namespace; smc/bridge, smc/lo: "
+        "smcd's figure over TCP's (better: which way is better); mode = what smc-run -v "
+        "reported for every smcd connection of the row"
     )
     for note in rows.notes:
         print(f"note: {note}")

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import ipaddress
 import os
 import threading
@@ -256,7 +257,10 @@ def _read_all(known: dict[int, tuple[str, str]]) -> list[NamespaceDevices]:
         try:
             if libc.setns(fd, _CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
-                out.append(NamespaceDevices(ino, name, problem=f"cannot join: {os.strerror(err)}"))
+                why = f"cannot join: {os.strerror(err)}"
+                if err == errno.EPERM:
+                    why += " (joining a namespace takes CAP_SYS_ADMIN and a setns() allowed)"
+                out.append(NamespaceDevices(ino, name, problem=why))
                 continue
         finally:
             os.close(fd)

@@ -1,8 +1,9 @@
 """``bench/run.py --sections netns --quick`` (the two-namespace rows of ``make bench``, #15): two
-container namespaces on a real bridge, the stdlib program on TCP through the bridge and under
-smc-run against one smcd in the host's namespace; every row complete, from one run.
+container namespaces on a real bridge, the stdlib program on TCP through the bridge, on TCP
+loopback and under smc-run against one smcd in the host's namespace; every row complete, from
+one run.
 
-Checks structure, never speed: each row has both figures, the ratio that follows from them, and
+Checks structure, never speed: each row has all three figures, the ratios that follow, and
 the transport smc-run -v reported for every connection (``smcd``: loopback-ism across the
 namespaces); the namespaces are gone afterwards.
 """
@@ -41,15 +42,17 @@ def test_quick_netns_rows_are_complete() -> None:
     assert proc.returncode == 0, out + proc.stderr[-2000:]
     assert "note:" not in out and "not measured" not in out, out
     head = next(line for line in out.splitlines() if line.startswith("metric "))
-    assert head.split() == ["metric", "unit", "tcp-bridge", "smc-run", "smc/tcp", "better", "mode"]
+    assert head.split() == ["metric", "unit", "tcp-lo", "tcp-bridge", "smc-run", "smc/bridge",
+                            "smc/lo", "better", "mode"]  # fmt: skip
     for label, (unit, better) in LABELS.items():
         row = re.search(
-            rf"^{re.escape(label)}\s+{re.escape(unit)}\s+({NUM})\s+({NUM})\s+(\d+\.\d\d)x\s+"
-            rf"{better}\s+(.+)$",
+            rf"^{re.escape(label)}\s+{re.escape(unit)}\s+({NUM})\s+({NUM})\s+({NUM})\s+"
+            rf"(\d+\.\d\d)x\s+(\d+\.\d\d)x\s+{better}\s+(.+)$",
             out, flags=re.M,
         )  # fmt: skip
         assert row, f"row {label!r} missing or incomplete:\n{out}"
-        tcp, smc = (float(v.replace(",", "")) for v in row.group(1, 2))
-        assert abs(float(row.group(3)) - smc / tcp) <= 0.01 + 0.05 * smc / tcp, row.group(0)
-        assert row.group(4).strip() == "smcd", row.group(0)
+        lo, tcp, smc = (float(v.replace(",", "")) for v in row.group(1, 2, 3))
+        for shown, base in ((row.group(4), tcp), (row.group(5), lo)):
+            assert abs(float(shown) - smc / base) <= 0.01 + 0.05 * smc / base, row.group(0)
+        assert row.group(6).strip() == "smcd", row.group(0)
     assert not any(n.startswith("smcdbench") for n in _netns()), _netns()

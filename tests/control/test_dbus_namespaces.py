@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,26 @@ def test_namespace_devices_is_open_to_read(system_bus: DbusDaemon, named_ns: str
             await asyncio.wait_for(body(h), 40)
 
     asyncio.run(main())
+
+
+def test_a_namespace_smcd_may_not_join_says_why(named_ns: str) -> None:
+    """Without CAP_SYS_ADMIN (an smcd under a hardened unit) each namespace it cannot read is
+    listed with the reason, not silently left out."""
+    probe = (
+        "import asyncio\n"
+        "from smcd_daemon.adapters.netns_view import namespace_devices\n"
+        "for n in asyncio.run(namespace_devices()):\n"
+        "    print(n.inode, n.name, len(n.netdevs), n.problem, sep='|')\n"
+    )
+    repo = os.fspath(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        as_nobody([sys.executable, "-c", probe]),
+        capture_output=True, text=True, timeout=60, cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    ino = os.stat(f"/run/netns/{named_ns}").st_ino
+    (mine,) = [line.split("|") for line in out.stdout.splitlines() if line.startswith(f"{ino}|")]
+    assert mine[1:3] == [named_ns, "0"], mine
+    assert mine[3].startswith("cannot join: Operation not permitted (joining a namespace takes "
+                              "CAP_SYS_ADMIN"), mine  # fmt: skip
