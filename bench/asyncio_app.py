@@ -5,8 +5,15 @@ for uvicorn, nothing of smcd (``bench/asyncio_rows.py`` runs them on TCP and und
     asyncio_app.py bulk-client PORT TOTAL WARMUP   64 KiB writes; prints JSON {"gbps": ...}
     asyncio_app.py rr-server REQ RESP            answers every REQ bytes with RESP bytes
     asyncio_app.py rr-client PORT ROUNDS WARMUP REQ RESP   prints JSON {"p50_us": ...}
+    asyncio_app.py rr-self ROUNDS WARMUP REQ RESP  the same, both ends in this process
+    asyncio_app.py rr-mem ROUNDS WARMUP REQ RESP   the same over a transport without I/O
     asyncio_app.py http-client PORT N WARMUP SIZE  aiohttp keep-alive GETs of SIZE bytes
     uvicorn asyncio_app:app                      GET /N answers SIZE bytes ($ASGI_SIZE)
+
+``rr-self`` runs the server and the client of the round trip on one event loop: their work
+without a wakeup across processes. ``rr-mem`` does so over :class:`MemoryTransport`, which hands
+each write to the peer's protocol on the next turn of the loop: what asyncio itself costs a round
+trip (streams, tasks, turns of the loop), the bound of any transport under these programs.
 
 The bulk receiver ``read()``s (a StreamReader, as programs do) and counts; it answers the count
 at EOF, so the sender's clock includes the last byte's arrival. Every figure is the program's
@@ -21,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 WRITE = 64 << 10
@@ -111,6 +119,75 @@ async def rr_client(port: int, rounds: int, warmup: int, req: int, resp: int) ->
     return {"p50_us": statistics.median(lat) * 1e6}
 
 
+async def rr_self(rounds: int, warmup: int, req: int, resp: int) -> dict[str, float]:
+    server = await asyncio.start_server(_rr_handler(req, resp), "127.0.0.1", 0)
+    try:
+        return await rr_client(server.sockets[0].getsockname()[1], rounds, warmup, req, resp)
+    finally:
+        server.close()
+
+
+class MemoryTransport(asyncio.Transport):
+    """One end of an in-process stream: ``write`` hands a copy to the peer's protocol on the
+    next turn of the loop, as a socket transport's read callback would (no I/O at all)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self.peer: MemoryTransport | None = None
+        self.protocol: Any = None
+        self._closing = False
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.protocol  # type: ignore[no-any-return]
+
+    def write(self, data: Any) -> None:
+        if self.peer is not None and not self._closing:
+            self._loop.call_soon(self.peer.protocol.data_received, bytes(data))
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            if self.peer is not None:
+                self._loop.call_soon(self.peer.protocol.eof_received)
+
+
+async def rr_mem(rounds: int, warmup: int, req: int, resp: int) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    ends = []
+    for _ in range(2):
+        transport = MemoryTransport(loop)
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        ends.append((reader, asyncio.StreamWriter(transport, protocol, reader, loop)))
+    (c_reader, c_writer), (s_reader, s_writer) = ends
+    c_writer.transport.peer = s_writer.transport  # type: ignore[attr-defined]
+    s_writer.transport.peer = c_writer.transport  # type: ignore[attr-defined]
+    server = asyncio.create_task(_rr_handler(req, resp)(s_reader, s_writer))
+    request = bytes(req)
+    lat = []
+    for i in range(warmup + rounds):
+        t = time.perf_counter()
+        c_writer.write(request)
+        await c_reader.readexactly(resp)
+        if i >= warmup:
+            lat.append(time.perf_counter() - t)
+    c_writer.close()
+    await server
+    return {"p50_us": statistics.median(lat) * 1e6}
+
+
 async def http_client(port: int, n: int, warmup: int, size: int) -> dict[str, float]:
     import aiohttp
 
@@ -140,7 +217,13 @@ def main(argv: list[str]) -> None:
     elif role == "rr-server":
         asyncio.run(_serve(_rr_handler(*args)))
     else:
-        client = {"bulk-client": bulk_client, "rr-client": rr_client, "http-client": http_client}
+        client: dict[str, Callable[..., Coroutine[Any, Any, dict[str, float]]]] = {
+            "bulk-client": bulk_client,
+            "rr-client": rr_client,
+            "rr-self": rr_self,
+            "rr-mem": rr_mem,
+            "http-client": http_client,
+        }
         print(json.dumps(asyncio.run(client[role](*args))), flush=True)
 
 

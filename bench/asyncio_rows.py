@@ -7,7 +7,10 @@ app: nothing of smcd in them. Each figure runs them as fresh processes, on TCP l
 its connections got, and a row whose connections are not all on ``smcd`` is never met.
 
 Rows (issue 16): asyncio streams bulk (64 KiB writes, a receiver that ``read()``s), asyncio
-request/response p50 at 1 KiB, and uvicorn answering an aiohttp keep-alive client with 64 KiB
+request/response p50 at 1 KiB, and under it what bounds that round trip: the same round trip
+with both ends in one process (each transport's work without a wakeup across processes) and
+asyncio's own work over a transport without I/O (``bound:``, the floor of any transport under
+these programs); and uvicorn answering an aiohttp keep-alive client with 64 KiB
 responses (requests/s, p50). The last row says how the HTTP p50 divides: the transport's part is
 the asyncio streams round trip carrying the same bytes (a 100-byte request, a 64 KiB answer) on
 the same transport; the rest is outside it (HTTP parsing, ASGI, aiohttp, the event loops).
@@ -81,11 +84,14 @@ class Row:
     target: str
     better: str  # "higher" or "lower"
     limit: float | None  # smc/tcp must be >= (higher) or <= (lower) this; None: no target
+    bound: bool = False  # one figure (in the smc-run column), not a comparison
 
 
 ROWS = (
     Row("bulk", "asyncio streams bulk, 64 KiB writes", "GB/s", ">= 2x tcp", "higher", 2.0),
     Row("rr", "asyncio round trip 1 KiB, p50", "us", "<= 0.5x tcp", "lower", 0.5),
+    Row("rr_self", "  the same, both ends in one process", "us", "", "lower", None),
+    Row("rr_mem", "  bound: asyncio alone, no I/O", "us", "", "lower", None, bound=True),
     Row("http_rps", "uvicorn+aiohttp keep-alive 64 KiB", "req/s", ">= 1x tcp", "higher", 1.0),
     Row("http_p50", "uvicorn+aiohttp keep-alive 64 KiB, p50", "us", "<= 1x tcp", "lower", 1.0),
     Row("rr64", "asyncio round trip 100 B -> 64 KiB, p50", "us", "", "lower", None),
@@ -208,15 +214,31 @@ class AsyncioRows:
         self._note_modes(key, kind, srv_err, cli_err)
         return out
 
-    def _measure(self, key: str, fn: Callable[[str], dict[str, float]], what: str) -> None:
-        runs: dict[str, list[float]] = {k: [] for k in KINDS}
+    def _single(self, key: str, kind: str, argv: list[str]) -> dict[str, float]:
+        """One program that is both ends (``rr-self``, ``rr-mem``)."""
+        proc = _Proc(kind, self.env, argv)
+        try:
+            out = proc.result()
+        finally:
+            err = proc.stop()
+        self._note_modes(key, kind, err)
+        return out
+
+    def _measure(
+        self,
+        key: str,
+        fn: Callable[[str], dict[str, float]],
+        what: str,
+        kinds: tuple[str, ...] = KINDS,
+    ) -> None:
+        runs: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(self.plan.repeats):
-            for kind in KINDS:  # back to back: drift hits both alike
+            for kind in kinds:  # back to back: drift hits both alike
                 try:
                     runs[kind].append(fn(kind)[what])
                 except (RuntimeError, OSError, ValueError, KeyError) as e:
                     self.notes.append(f"{key} on {kind}: {e}")
-        for kind in KINDS:
+        for kind in kinds:
             self.res[kind][key] = statistics.median(runs[kind]) if runs[kind] else None
 
     def run(self, progress: Callable[[str], None]) -> None:
@@ -241,6 +263,17 @@ class AsyncioRows:
                 ),
                 "p50_us",
             )  # fmt: skip
+        rr = [str(p.rr_rounds), str(p.rr_warmup), str(p.rr_size), str(p.rr_size)]
+        progress("asyncio: round trips, both ends in one process")
+        self._measure(
+            "rr_self", lambda kind: self._single("rr_self", kind, [py, app, "rr-self", *rr]),
+            "p50_us",
+        )  # fmt: skip
+        progress("asyncio: round trips without I/O")
+        self._measure(
+            "rr_mem", lambda kind: self._single("rr_mem", kind, [py, app, "rr-mem", *rr]),
+            "p50_us", kinds=("smc",),
+        )  # fmt: skip
         progress("asyncio: uvicorn + aiohttp keep-alive")
         http: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
 
@@ -272,7 +305,7 @@ class AsyncioRows:
 
     def met(self, row: Row) -> bool | None:
         tcp, smc = self.res["tcp"].get(row.key), self.res["smc"].get(row.key)
-        if row.limit is None or tcp is None or smc is None or tcp <= 0:
+        if row.bound or row.limit is None or tcp is None or smc is None or tcp <= 0:
             return None
         if self.modes.get(row.key) != {"smcd"}:
             return False
@@ -281,7 +314,11 @@ class AsyncioRows:
 
     @property
     def complete(self) -> bool:
-        return all(self.res[k].get(r.key) is not None for r in ROWS for k in KINDS)
+        return all(
+            self.res[k].get(r.key) is not None
+            for r in ROWS
+            for k in (("smc",) if r.bound else KINDS)
+        )
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -297,6 +334,9 @@ def render(rows: AsyncioRows) -> str:
     table = [head]
     for row in ROWS:
         tcp, smc = rows.res["tcp"].get(row.key), rows.res["smc"].get(row.key)
+        if row.bound:  # asyncio's own figure: no transport, no comparison, no mode
+            table.append((row.label, row.unit, "-", _fmt(smc, row.unit), "-", "-", "-", "-"))
+            continue
         ratio = f"{smc / tcp:.2f}x" if tcp and smc is not None else "n/a"
         met = rows.met(row)
         mark = (
@@ -361,7 +401,8 @@ def print_asyncio_rows(rows: AsyncioRows) -> None:
     print()
     print(
         "outside the transport = 1 - (asyncio round trip carrying the same bytes / HTTP p50), "
-        "per transport; mode = what smc-run -v reported for every connection of the row"
+        "per transport; mode = what smc-run -v reported for every connection of the row; "
+        "bound: asyncio's own work for both ends of the round trip (no transport, no I/O)"
     )
     for note in rows.notes:
         print(f"note: {note}")

@@ -2,8 +2,9 @@
 uvicorn, aiohttp and asyncio streams on TCP and under smc-run, and prints every row complete.
 
 Checks structure, never speed: each row has both figures, its ratio, a met mark where it has a
-target, and the transport smc-run -v reported (``smcd``: the private daemon has a UEID); the share
-of the HTTP time outside the transport is a percentage for both kinds.
+target, and the transport smc-run -v reported (``smcd``: the private daemon has a UEID); the bound
+row (asyncio alone) has its one figure; the share of the HTTP time outside the transport is a
+percentage for both kinds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ NUM = r"[\d,]+(?:\.\d+)?"
 LABELS = {
     "asyncio streams bulk, 64 KiB writes": ">= 2x tcp",
     "asyncio round trip 1 KiB, p50": "<= 0.5x tcp",
+    "  the same, both ends in one process": "-",
     "uvicorn+aiohttp keep-alive 64 KiB": ">= 1x tcp",
     "uvicorn+aiohttp keep-alive 64 KiB, p50": "<= 1x tcp",
     "asyncio round trip 100 B -> 64 KiB, p50": "-",
@@ -43,5 +45,9 @@ def test_quick_asyncio_rows_are_complete() -> None:
         assert row, f"row {label!r} missing or incomplete:\n{out}"
         assert row.group(5).strip() == "smcd", row.group(0)
         assert (row.group(4) == "-") == (target == "-"), row.group(0)
+    bound = re.search(
+        rf"^  bound: asyncio alone, no I/O\s+us\s+-\s+({NUM})\s+-\s+-\s+-\s+-$", out, flags=re.M
+    )
+    assert bound and float(bound.group(1).replace(",", "")) > 0, out
     share = re.search(r"^HTTP p50 outside the transport\s+%\s+(\d+)\s+(\d+)", out, flags=re.M)
     assert share and all(0 <= int(s) <= 100 for s in share.groups()), out
