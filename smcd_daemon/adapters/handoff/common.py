@@ -136,6 +136,9 @@ class Client:
     listener: Listener | None = None
     smcr_conn: int | None = None
     watched_done: bool = False  # released and closed (see ``HandoffServer.end_client``)
+    netns: tuple[int, str] | None = None
+    """The caller's network namespace (inode, name), once looked up (``netns_read``)."""
+    netns_read: bool = False
 
     def __post_init__(self) -> None:
         if self.cred is not None:

@@ -122,7 +122,15 @@ class Handshakes:
 
     def _netns(self, client: Client) -> NetnsId | None:
         """The network namespace of the process that handed a connection over (its inode and
-        ``ip netns`` name, looked up once per inode), None if unknown (another pid namespace)."""
+        ``ip netns`` name, looked up once per inode), None if unknown (another pid namespace).
+        Read once per handoff connection (the record and the pairing both ask)."""
+        if client.netns_read:
+            return client.netns
+        client.netns = self._read_netns(client)
+        client.netns_read = True
+        return client.netns
+
+    def _read_netns(self, client: Client) -> NetnsId | None:
         cred = client.cred
         if cred is None or not cred.pid:
             return None

@@ -4,8 +4,9 @@ The journal (:mod:`smcd_daemon.core.channel_ledger`) lives next to the handoff s
 (``handoff.channels`` beside ``handoff.sock``: the runtime directory, tmpfs under systemd), mode
 0600, opened without following symlinks. It is read once when the server starts (the previous
 daemon's channel halves), rewritten at once with what may still be resumed, and then appended to
-with one ``write`` per channel half handed out and per hang-up (tens of bytes: cheaper than
-anything else a handshake does), and rewritten whole when it holds many more lines than live
+with one ``write`` per channel half handed out (tens of bytes: cheaper than anything else a
+handshake does; a hang-up's line waits for the next write, :meth:`Journal.append_later`), and
+rewritten whole when it holds many more lines than live
 records. A journal that cannot be written costs only the verification of RESUMEs after the
 next restart (they are then refused): logged once, never fatal.
 """
@@ -28,6 +29,8 @@ __all__ = ["Journal", "journal_path", "resume_evidence"]
 log = logging.getLogger(__package__ or __name__)
 
 _TCP_STATE = struct.Struct("B")
+_PENDING_MAX = 4096
+"""Bytes of hang-up lines kept back at most before they are written anyway."""
 
 
 def journal_path(handoff_socket: Path | None) -> Path | None:
@@ -63,6 +66,7 @@ class Journal:
         self.path = path
         self.ledger = ledger
         self._fd: int | None = None
+        self._pending = b""  # hang-up lines not written yet (see append_later)
         if path is None:
             return
         now = time.monotonic()
@@ -87,6 +91,9 @@ class Journal:
         self._rewrite(ledger.compacted(now))
 
     def append(self, data: bytes | None) -> None:
+        """Write ``data`` now (with any lines :meth:`append_later` kept back, in order)."""
+        if self._pending:
+            data, self._pending = self._pending + (data or b""), b""
         if not data or self._fd is None:
             return
         try:
@@ -97,6 +104,20 @@ class Journal:
         if self.ledger.needs_compaction:
             self._rewrite(self.ledger.compacted(time.monotonic()))
 
+    def append_later(self, data: bytes | None) -> None:
+        """Append ``data`` with the next write (:meth:`append`, :meth:`flush`): a hang-up's line.
+        Only a half handed out must be on file before its reply; a drop that a crash loses
+        leaves a record whose RESUME finds no matching socket, and it expires."""
+        if data and self._fd is not None:
+            self._pending += data
+            if len(self._pending) >= _PENDING_MAX:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write what :meth:`append_later` kept back."""
+        if self._pending:
+            self.append(None)
+
     def compact(self) -> None:
         """Forget what expired and rewrite (e.g. from a periodic timer)."""
         if self._fd is not None and self.ledger.expire(time.monotonic()):
@@ -104,6 +125,7 @@ class Journal:
 
     def _rewrite(self, data: bytes) -> None:
         assert self.path is not None
+        self._pending = b""  # the rewrite is the ledger's whole state: kept-back lines included
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -131,6 +153,10 @@ class Journal:
         self.close()
 
     def close(self) -> None:
+        if self._pending and self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._fd, self._pending)
+        self._pending = b""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

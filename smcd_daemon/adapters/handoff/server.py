@@ -433,7 +433,7 @@ class HandoffServer:
                 self.registrations.unlisten(lst)
             if client.half is not None:
                 half, client.half = client.half, None
-                self.journal.append(self.ledger.drop(half.conn_id))
+                self.journal.append_later(self.ledger.drop(half.conn_id))
                 if half.local_token is None:  # a resumed half: its DMB was charged, not held
                     self.pool.discharge(half.uid, half.rx_size)
                 self.channels.hang_up(half)

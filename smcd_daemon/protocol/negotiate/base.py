@@ -310,10 +310,12 @@ class Negotiation:
         self._outcome = step.outcome
         return step
 
-    def _succeed(self, outcome: Outcome, send: tuple[ClcMessage, ...] = ()) -> Step:
+    def _succeed(
+        self, outcome: Outcome, send: tuple[ClcMessage, ...] = (), raw: bytes | None = None
+    ) -> Step:
         if not isinstance(outcome, SmcrOutcome):
             self.ledger.settle()  # an SMC-R first link may still fail: it keeps the record
-        return self._finish(Step(send, outcome))
+        return self._finish(Step(send, outcome, raw))
 
     def _fall_back(
         self, code: int, detail: str, *, declined: bool, kernel_errno: int | None = None

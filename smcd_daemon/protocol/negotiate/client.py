@@ -167,7 +167,7 @@ class Client(Negotiation):
             )
         if is_d:
             confirm, outcome = ism.connect_ism(self.offer, self.ledger, msg)
-            return self._succeed(outcome, (confirm,))
+            return self._succeed(outcome, (confirm,), raw=ism.encode_smcd(confirm))
         choice = self.choice_v1 if msg.version == 1 else self.choice_v2
         assert choice is not None
         confirm_r, outcome_r = rdma.connect_rdma(self.offer, self.ledger, msg, choice)

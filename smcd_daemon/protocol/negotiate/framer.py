@@ -10,9 +10,11 @@ from smcd_daemon.wire.clc import (
     CLC_HEADER_LEN,
     SMCD_EYECATCHER,
     SMCR_EYECATCHER,
+    AcceptConfirm,
     ClcHeader,
     ClcMessage,
     ClcType,
+    SmcdInfo,
     decode,
     peek_header,
 )
@@ -46,6 +48,32 @@ def _proposal(raw: bytes) -> ClcMessage:
     """A Proposal decoded once: the clients of one host send the same few byte for byte, and a
     decoded message is frozen, so sharing it is safe."""
     return decode(raw)
+
+
+_TOKEN = slice(16, 24)
+"""The DMB token in an SMC-D Accept/Confirm (header 8, GID 8)."""
+_SMCD_ANSWERS = (ClcType.ACCEPT, ClcType.CONFIRM)
+_ANSWERS: dict[bytes, AcceptConfirm] = {}
+
+
+def _smcd_answer(raw: bytes) -> ClcMessage:
+    """An SMC-D Accept/Confirm: a host's handshakes send the same bytes but for the DMB token,
+    so a message decoded once (by the full decoder) is reused with the token read here."""
+    key = raw[:16] + raw[24:]
+    known = _ANSWERS.get(key)
+    if known is None:
+        msg = decode(raw)
+        if isinstance(msg, AcceptConfirm) and isinstance(msg.info, SmcdInfo):
+            if len(_ANSWERS) >= 256:
+                _ANSWERS.clear()
+            _ANSWERS[key] = msg
+        return msg
+    i = known.info
+    assert isinstance(i, SmcdInfo)
+    token = int.from_bytes(raw[_TOKEN], "big")
+    info = SmcdInfo(i.gid, token, i.link_id, i.dmbe_idx, i.dmbe_size, i.chid, i.gid_ext)
+    return type(known)(info, known.version, known.first_contact, known.eid, known.fce,
+                       known.gid_list)  # fmt: skip
 
 
 class ClcFramer:
@@ -85,6 +113,8 @@ class ClcFramer:
         try:
             if expect is ClcType.PROPOSAL and raw[4] == ClcType.PROPOSAL:
                 return _proposal(raw)
+            if raw[4] in _SMCD_ANSWERS and raw[:4] == SMCD_EYECATCHER:
+                return _smcd_answer(raw)
             return decode(raw)
         except ProtocolError as exc:
             return f"malformed {expect.name}: {exc}"

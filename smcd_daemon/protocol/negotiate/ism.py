@@ -28,7 +28,44 @@ from smcd_daemon.protocol.negotiate.v2x import (
 from smcd_daemon.wire.clc import Accept, Confirm, IsmDevice, Proposal, SmcdInfo
 from smcd_daemon.wire.reasons import DeclineReason
 
-__all__ = ["IsmAccepted", "confirm_ism", "connect_ism", "find_ism_v2_device_serv", "match_eid"]
+__all__ = [
+    "IsmAccepted",
+    "confirm_ism",
+    "connect_ism",
+    "encode_smcd",
+    "find_ism_v2_device_serv",
+    "match_eid",
+]
+
+_TOKEN_AT = 16
+"""Offset of the DMB token in an SMC-D Accept/Confirm (header 8, GID 8)."""
+_TEMPLATES: dict[tuple[object, ...], bytes] = {}
+
+
+def encode_smcd(msg: Accept | Confirm) -> bytes:
+    """``msg.encode()`` of an SMC-D Accept or Confirm, from a template of every field but the DMB
+    token: a host's handshakes differ only in the token (and the link group), and the full
+    encoder's checks cost more than the rest of the message. The template itself comes from
+    the full encoder (a message it refuses is never cached)."""
+    info = msg.info
+    assert isinstance(info, SmcdInfo)
+    token = info.token
+    if not 0 <= token < 1 << 64:
+        return msg.encode()  # the full encoder says why not
+    key = (
+        type(msg), msg.version, msg.first_contact, msg.eid, msg.fce, msg.gid_list,
+        info.gid, info.link_id, info.dmbe_idx, info.dmbe_size, info.chid, info.gid_ext,
+    )  # fmt: skip
+    raw = token.to_bytes(8, "big")
+    tmpl = _TEMPLATES.get(key)
+    if tmpl is not None:
+        return tmpl[:_TOKEN_AT] + raw + tmpl[_TOKEN_AT + 8 :]
+    full = msg.encode()
+    if full[_TOKEN_AT : _TOKEN_AT + 8] == raw:  # the layout this relies on
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = full
+    return full
 
 
 @dataclass(frozen=True)

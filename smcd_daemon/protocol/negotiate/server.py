@@ -112,6 +112,8 @@ class Server(Negotiation):
     def _wait_confirm(self, accept: Accept, accepted: ism.IsmAccepted | rdma.RdmaAccepted) -> Step:
         self._accepted = accepted
         self._wait(ClcType.CONFIRM)
+        if isinstance(accepted, ism.IsmAccepted):
+            return Step((accept,), raw=ism.encode_smcd(accept))
         return Step((accept,))
 
     def _on_confirm(self, c: Confirm) -> Step:
