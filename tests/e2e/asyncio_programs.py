@@ -250,3 +250,27 @@ async def main():
 
 asyncio.run(main())
 '''
+
+UVLOOP = r'''
+"""A streams echo on uvloop's event loop (its transports are libuv's own): under smc-run it
+runs on TCP, and -v says why for the listener and the connection."""
+import asyncio
+import uvloop
+
+async def echo(reader, writer):
+    writer.write(await reader.readline())
+    await writer.drain()
+    writer.close()
+
+async def main():
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"over %d\n" % port)
+    line = (await reader.readline()).decode().strip()
+    print("echo", line, type(asyncio.get_running_loop()).__module__, flush=True)
+    writer.close()
+    server.close()
+
+uvloop.run(main())
+'''

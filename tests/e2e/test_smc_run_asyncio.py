@@ -18,7 +18,14 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.asyncio_programs import AIOHTTP_CLIENT, ASGI_APP, SOCK_METHODS, STREAMS, TLS_PAIR
+from tests.e2e.asyncio_programs import (
+    AIOHTTP_CLIENT,
+    ASGI_APP,
+    SOCK_METHODS,
+    STREAMS,
+    TLS_PAIR,
+    UVLOOP,
+)
 from tests.e2e.conftest import PYTHON, REPO_ENV, SMC_RUN, Smcd
 
 pytestmark = pytest.mark.timeout(120)
@@ -237,6 +244,22 @@ def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
     assert not re.search(rf"{tls_port}.*: (registered|smcd)", err), err
     assert re.search(rf"listen .*{plain_port}.*: registered as listener", err), err
     assert re.search(rf"connect .*{plain_port}.*: smcd conn \d+", err), err
+
+
+def test_uvloop_runs_on_tcp_and_says_why(programs: Programs) -> None:
+    """A program that runs uvloop (its transports are libuv's, beyond smc-run's reach) keeps
+    working under smc-run with a daemon running: its connections stay on TCP, and -v names
+    uvloop as the reason for the listener and the connection."""
+    proc = programs.start([os.fspath(PYTHON), "-c", UVLOOP])
+    echo = _line(proc, r"echo over (\d+) (\w+)")
+    assert echo.group(2) == "uvloop", echo.group(0)
+    assert proc.wait(20) == 0
+    (err,) = programs.stop()
+    port = echo.group(1)
+    reason = r"tcp \(uvloop: its transports are libuv's own"
+    assert re.search(rf"listen .*{port}.*: {reason}", err), err
+    assert re.search(rf"connect .*{port}.*: {reason}", err), err
+    assert not re.search(r": smcd", err), err
 
 
 def test_no_daemon_tcp_with_the_reason(programs: Programs, tmp_path: Path) -> None:
