@@ -16,7 +16,14 @@ loop on Linux) where a connection comes into being:
   :class:`~smc_handoff.aio_transport.SmcTransport` on SMC, or asyncio's own transport on TCP;
 * ``sock_recv``/``sock_recv_into`` work unchanged (``fileno()`` is the channel's eventfd);
   ``sock_sendall`` waits for the peer's space kick on SMC; ``sock_sendfile`` uses its copying
-  fallback on SMC.
+  fallback on SMC;
+* a server half that stays on TCP without a Decline exchange (no daemon, a refusal) gets
+  asyncio's own transport over its TCP-mode :class:`~smc_handoff.socket.SmcSocket`, whose first
+  read answers a late CLC Proposal with a Decline
+  (:func:`~smc_handoff.handoff.answer_late_proposal`), as for blocking sockets. On the loop
+  that read never waits: while only part of a CLC message is there it reports "nothing yet"
+  and the socket is readable again only when the rest (or the peer's FIN) is, bounded by a
+  timer on the loop, so a late Proposal never reaches the protocol and never stalls the loop.
 
 Not upgraded: TLS (``ssl=``: the connection stays on TCP, its listener is not registered), and
 event loops that are not asyncio's selector loop — uvloop's transports are libuv's own, so a
