@@ -1,10 +1,12 @@
 """``make bench``'s asyncio rows: unmodified asyncio programs on TCP and under ``smc-run``.
 
 The programs are ``bench/asyncio_app.py`` (asyncio streams, aiohttp) and uvicorn serving its ASGI
-app: nothing of smcd in them. Each figure runs them as fresh processes, on TCP loopback and under
-``smc-run -v`` against a private smcd with a UEID, back to back in the same run (the median of
-``repeats`` runs). ``smc-run -v`` prints the transport of every connection; each row shows what
-its connections got, and a row whose connections are not all on ``smcd`` is never met.
+app (``--loop asyncio``: with uvloop installed uvicorn would pick uvloop, whose transports
+smc-run does not reach): nothing of smcd in them. Each figure runs them as fresh processes, on
+TCP loopback and under ``smc-run -v`` against a private smcd with a UEID, back to back in the
+same run (the median of ``repeats`` runs). ``smc-run -v`` prints the transport of every
+connection; each row shows what its connections got, and a row whose connections are not all on
+``smcd`` is never met.
 
 Rows (issue 16): asyncio streams bulk (64 KiB writes, a receiver that ``read()``s), asyncio
 request/response p50 at 1 KiB, and under it what bounds that round trip: the same round trip
@@ -282,7 +284,7 @@ class AsyncioRows:
             out = self._pair(
                 "http", kind,
                 [py, "-m", "uvicorn", "asyncio_app:app", "--port", port, "--app-dir",
-                 os.fspath(HERE), "--no-access-log", "--log-level", "info"],
+                 os.fspath(HERE), "--no-access-log", "--log-level", "info", "--loop", "asyncio"],
                 [py, app, "http-client", str(p.http_requests), str(p.http_warmup),
                  str(p.http_size)],
                 uvicorn=True,

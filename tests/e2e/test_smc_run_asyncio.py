@@ -179,12 +179,14 @@ def test_uvicorn_and_aiohttp_keep_alive_on_smcd(
 ) -> None:
     """uvicorn serving an ASGI app (with each of its HTTP protocols), an aiohttp client making
     300 keep-alive requests of 64 KiB on one connection: both unmodified under smc-run, on
-    SMC-D, every body intact."""
+    SMC-D, every body intact. ``--loop asyncio``: with uvloop installed, uvicorn's default
+    loop is uvloop's, which stays on TCP (test_uvloop_runs_on_tcp_and_says_why)."""
     (tmp_path / "asgi_app.py").write_text(ASGI_APP)
     port = _free_port()
     server = programs.start(
         [os.fspath(PYTHON), "-m", "uvicorn", "asgi_app:app", "--port", str(port),
-         "--app-dir", os.fspath(tmp_path), "--no-access-log", "--http", http]
+         "--app-dir", os.fspath(tmp_path), "--no-access-log", "--http", http,
+         "--loop", "asyncio"]
     )  # fmt: skip
     deadline = time.monotonic() + 30
     while True:  # uvicorn logs readiness on stderr; its port answering is enough here
