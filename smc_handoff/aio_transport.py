@@ -260,7 +260,9 @@ class SmcTransport(asyncio.Transport):
                 return
         else:
             try:
-                data = self._sock.recv(_MAX_SIZE)
+                # The channel's own call first (one copy out of the ring); nothing there, EOF
+                # or an error: the socket's call decides, as for any reader.
+                data = self._channel.recv_bytes(_MAX_SIZE) or self._sock.recv(_MAX_SIZE)
             except (BlockingIOError, InterruptedError):
                 data = None  # nothing after all (a kick for data we had read already)
             except (SystemExit, KeyboardInterrupt):
@@ -287,7 +289,7 @@ class SmcTransport(asyncio.Transport):
             self._fatal_error(e, "get_buffer() call failed")
             return False
         try:
-            n = self._sock.recv_into(buf)
+            n = self._channel.recv_fast(buf) or self._sock.recv_into(buf)
         except (BlockingIOError, InterruptedError):
             return True
         except (SystemExit, KeyboardInterrupt):
@@ -346,7 +348,7 @@ class SmcTransport(asyncio.Transport):
             return
         if not self._buffer:
             try:
-                n = self._sock.send(data)
+                n = self._channel.send_fast(data) or self._sock.send(data)  # fits: one call
             except (BlockingIOError, InterruptedError):
                 n = 0
             except (SystemExit, KeyboardInterrupt):
