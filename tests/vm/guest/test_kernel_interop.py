@@ -363,10 +363,10 @@ class Peers:
     def json(self, name: str) -> Any:
         return json.loads(self.line(name))
 
-    def tell(self, name: str) -> None:
+    def tell(self, name: str, what: str = "") -> None:
         p = self.procs[name]
         assert p.stdin is not None
-        p.stdin.write("\n")
+        p.stdin.write(f"{what}\n")
         p.stdin.flush()
 
     def fail(self, what: str) -> None:
@@ -775,11 +775,14 @@ def test_kernel_adds_a_second_link_and_fails_over(
                  f"route add {B1_EXTRA}/32 dev {a1.ifname} src {a1.address} "
                  f"table {POLICY_TABLE}"])  # fmt: skip
     port = fresh_port()
+    sym_before = dmesg_tail(100_000).count("state changed: SYMMETRIC")
+    reloaded = False
     try:
         ks.pnet_add("INTEROPB0", b1.ifname, b1.rxe)
         for p in (a0, a1):  # smcd's second device: rxe_a1 under the first one's PNETID
             smcd.ctl("pnet", "add", "INTEROPA", "-I", p.ifname, "-D", p.rxe)
         smcd.reload(config(UEID, max_links=2))
+        reloaded = True
         bpf = ["udp port 4791"]
         with (
             ks.capture(a0.ifname, bpf, scratch / "add_link_wire0.pcap") as pcap0,
@@ -811,12 +814,18 @@ def test_kernel_adds_a_second_link_and_fails_over(
             assert second["PeerGid"] != links()[a0.rxe]["PeerGid"], group
             print(f"Linux {KERNEL}: two links, {group['LgrType']}: {group['LinkObjects']}")
             assert group["LgrType"] == "SYM", group
-            peers.tell("smcd-client")
-            assert peers.json("smcd-client")["ok"]
+            wait_until(  # the kernel's own view (smcr_lgr_set_type logs it)
+                lambda: dmesg_tail(100_000).count("state changed: SYMMETRIC") > sym_before,
+                "SYMMETRIC link group in the kernel's log",
+                30,
+            )
+            peers.tell("smcd-client", "round")
+            res = peers.json("smcd-client")
+            assert res["ok"], res
             dm.ip_batch([f"link set dev {b0.ifname} down"])
             try:
                 wait_until(lambda: set(links()) == {a1.rxe}, "failover to the second link", 120)
-                peers.tell("smcd-client")
+                peers.tell("smcd-client", "round")
                 res = peers.json("smcd-client")
                 assert res["ok"], res
                 assert kernel_socket(port).mode == "SMCR"
@@ -830,7 +839,8 @@ def test_kernel_adds_a_second_link_and_fails_over(
                      f"route del {B1_EXTRA}/32 table {POLICY_TABLE}"], force=True)  # fmt: skip
         with contextlib.suppress(AssertionError):
             smcd.ctl("pnet", "del", "INTEROPA")
-        smcd.reload(config(UEID))
+        if reloaded:
+            smcd.reload(config(UEID))
     t0, t1 = ks.PcapTraffic.from_pcap(pcap0), ks.PcapTraffic.from_pcap(pcap1)
     k0, s0 = llc_messages(t0, b0.address, a0.address), llc_messages(t0, a0.address, b0.address)
     k1, s1 = llc_messages(t1, b1.address, a1.address), llc_messages(t1, a1.address, b1.address)
