@@ -11,7 +11,10 @@ Both directions, each checked on both sides (``smc_diag`` for the kernel, ``sock
 wrap many times) that ends with shutdown(SHUT_WR) -> EOF each way; close of either side first;
 kill -9 of one application seen as ECONNRESET on the other; 50 connections on one link group
 with the QP numbers agreeing (``rdma res show qp`` for the kernel's QP); a decline (no UEID in
-common) with the kernel's reason code and the data intact on TCP.
+common) with the kernel's reason code and the data intact on TCP; the LLC the kernel initiates:
+CONFIRM/DELETE RKEY, TEST LINK, DELETE LINK ALL (``rmmod smc`` terminates its link groups) and
+ADD LINK for a second device (rxe_b1), ending in a symmetric link group that survives smcb0
+going down.
 
 Kernel applications are Python processes using AF_SMC (:mod:`tests.vm.guest.kernel_smc`); every
 wait has a deadline. The kernel version is printed and written to ``scratch/kernel.txt``.
