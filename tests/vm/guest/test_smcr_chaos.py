@@ -1,14 +1,9 @@
-"""NOT PART OF `make test` YET (file name without the test_ prefix, so the guest run does not
-collect it): it finds a real corruption that is still open (#14): while the server side's daemon
-is dead, a server application whose handoff fell back (DAEMON_UNAVAILABLE, or DAEMON_BUSY from
-a daemon just restarted) can read the client daemon's CLC Proposal as data, since the client's
-daemon proposes to a configured peer and the library's head check peeks before the Proposal
-arrived. Run it by hand in the VM (`pytest tests/vm/guest/chaos_smcr.py` in the guest) once
-that is fixed, then rename it back to test_smcr_chaos.py.
-
-The chaos test of #14 over SMC-R: two real ``smcd`` daemons speak SMC-R over Soft-RoCE while
-the daemon of ONE side (host B's, the server applications') is SIGKILLed and restarted during
-handshakes and during transfers, and SIGSTOPped and continued.
+"""The chaos test of #14 over SMC-R: two real ``smcd`` daemons speak SMC-R over Soft-RoCE while
+the server applications' daemon (host B's) is SIGKILLed and restarted during handshakes and
+during transfers, and SIGSTOPped and continued; at the end the client applications' daemon (host
+A's) is SIGKILLed the same way. Both daemons have the other host in ``peers`` (no peer
+detection), so a client daemon proposes whether or not the server's daemon is there: the case
+where a server half that stays on TCP could read a Proposal as data.
 
 A client application on host A (192.0.2.1, its daemon ``a``) runs threads in connect / echo /
 close loops against an echo server application on host B (192.0.2.2, daemon ``b``); every
@@ -19,8 +14,8 @@ data, as TCP with byte-exact data (never beginning with a CLC eyecatcher: the da
 protocol bytes read as data), or as an OSError. A connection still going after :data:`HANG_S`
 is hung; every wait of the applications and of this test is bounded.
 
-The timeline (one SIGKILL: a daemon's start-up under TCG is what the test's time goes to;
-about a minute in all on a quiet host, the two daemons' start-up half of it):
+The timeline (one restart: a daemon's start-up under TCG is what the test's time goes to;
+about a minute and a half in all on a quiet host, the daemons' start-ups half of it):
 
 1. ``warm`` — small messages until the first SMC-R connection is through;
 2. ``kill`` — the even client threads move large messages, the odd ones mostly handshake;
@@ -29,7 +24,9 @@ about a minute in all on a quiet host, the two daemons' start-up half of it):
    (connections meet a server application without its daemon), then pauses while b restarts;
 3. ``recover`` — until an SMC-R connection is through again (the new b, a new link group);
 4. ``freeze`` — as 2; daemon b is SIGSTOPped for :data:`FREEZE_S` and continued;
-5. ``post`` — until an SMC-R connection is through on the continued daemon.
+5. ``post`` — until an SMC-R connection is through on the continued daemon;
+6. ``kill-a`` — as 2, but daemon a (the client halves') is SIGKILLed, and not restarted: the
+   load goes on for :data:`DOWN_S` as ``a-dead`` (clients without their daemon, TCP).
 
 The outcomes are printed by phase, side, mode, fallback reason and result (``-s``) and kept in
 ``scratch/<test>/figures.txt``.
@@ -472,6 +469,20 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
         note("SIGCONT smcd b")
         assert recover("post"), f"no SMC-R connection after SIGCONT\n{context()}"
 
+        # The client halves' daemon dies the same way (not restarted: the test ends with it).
+        phase("kill-a", "split")
+        client.tell("ARM xfer")
+        fired = client.expect("XFER", 60.0)
+        assert fired, f"no SMC-R transfer began (kill-a)\n{context()}"
+        proc_a = a.smcd.proc
+        assert proc_a is not None
+        proc_a.kill()
+        proc_a.wait(30)
+        note(f"SIGKILL smcd a (pid {proc_a.pid}); client threads at that moment: {fired[5:]}")
+        (scratch / "smcd-a-killed.log").write_text(a.log_text())
+        phase("a-dead", "small")
+        time.sleep(DOWN_S)
+
         reports: dict[str, dict[str, Any]] = {}
         for x in (client, server):
             x.tell("STOP")
@@ -500,7 +511,7 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
     lines = [
         f"SMC-R chaos: {clients} client connections, {smcr_ok} of them SMC-R and byte-exact; "
         f"daemon b SIGKILLed once (transfers and handshakes in flight) and SIGSTOPped "
-        f"{FREEZE_S:g} s once",
+        f"{FREEZE_S:g} s once, then daemon a SIGKILLed once",
         "outcomes by phase, side, mode, fallback reason and result:",
         *(
             f"  {ph:8} {side:6} {mode:5} {reason:28} {outcome:36} {n:>6}"
@@ -524,5 +535,7 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
     for ph in ("warm", "recover", "post"):
         ok = sum(n for r, n in rows.items() if r[:3] == ("client", ph, "smcr") and r[4] == "ok")
         assert ok > 0, f"client: no byte-exact SMC-R connection in phase {ph}\n{text}"
+    after = sum(n for r, n in rows.items() if r[:3] == ("client", "a-dead", "tcp") and r[4] == "ok")
+    assert after > 0, f"client: no byte-exact TCP connection without daemon a\n{text}"
     served = sum(n for r, n in rows.items() if r[0] == "server" and r[2] == "smcr" and r[4] == "ok")
     assert served >= 3, f"server: {served} byte-exact SMC-R connections, want >= 3\n{text}"
