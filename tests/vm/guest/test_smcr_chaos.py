@@ -492,9 +492,9 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
             reports[x.name] = json.loads(line.removeprefix("REPORT "))
         note("both applications reported")
     except BaseException:
-        for x in (server, client):
-            if x is not None and x.proc.poll() is None:
-                x.proc.kill()
+        for y in (server, client):
+            if y is not None and y.proc.poll() is None:
+                y.proc.kill()
         raise
 
     rows: Counter[tuple[str, ...]] = Counter()
