@@ -260,6 +260,8 @@ def test_peer_detection_runs_with_exactly_cap_bpf_and_cap_net_admin() -> None:
     for key in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert caps[key] == UNIT_CAPS, (key, caps)
     assert caps["CapInh"] <= UNIT_CAPS, caps  # systemd raises inheritable for ambient ones
+    # ... under the unit's system-call filter, which lets bpf(2) through (else: EPERM at load)
+    assert "\nSeccomp:\t2\n" in Path(f"/proc/{pid}/status").read_text()
     line = detection_line()
     root = cgroup2_mount()
     m = re.fullmatch(r"peer detection: TCP option via BPF \(programs ([\d, ]+) on (\S+)\)", line)
