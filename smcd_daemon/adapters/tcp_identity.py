@@ -25,7 +25,6 @@ name ``ip netns`` gives it, from ``/run/netns``).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import socket
@@ -42,6 +41,12 @@ _TCP_SEND_QUEUE = 2
 _TCP_REPAIR_ON = 1
 _TCP_REPAIR_OFF_NO_WP = -1
 _BYTES_ACKED_AT = 120  # struct tcp_info: tcpi_bytes_acked, tcpi_bytes_received (u64 each)
+_BYTES = struct.Struct("=QQ")
+_INFO_LEN = _BYTES_ACKED_AT + _BYTES.size  # the part of tcp_info read (no more is copied)
+_INT = struct.Struct("i")
+_INT0 = bytes(_INT.size)
+_TCP = socket.IPPROTO_TCP
+_TCP_INFO = socket.TCP_INFO
 _U32 = 0xFFFFFFFF
 RUN_NETNS = "/run/netns"
 
@@ -49,29 +54,31 @@ RUN_NETNS = "/run/netns"
 def connection_identity(sock: socket.socket, *, active: bool) -> tuple[int, int] | None:
     """``(client ISN, server ISN)`` of the connection ``sock`` is one end of (``active``: the
     end that connected), or None when the kernel does not tell (no capability, no TCP)."""
-    level = socket.IPPROTO_TCP
+    setopt, getopt = sock.setsockopt, sock.getsockopt
     try:
-        sock.setsockopt(level, _TCP_REPAIR, _TCP_REPAIR_ON)
+        setopt(_TCP, _TCP_REPAIR, _TCP_REPAIR_ON)
     except OSError:
         return None
     try:
-        sock.setsockopt(level, _TCP_REPAIR_QUEUE, _TCP_SEND_QUEUE)
-        write_seq = sock.getsockopt(level, _TCP_QUEUE_SEQ) & _U32
-        sock.setsockopt(level, _TCP_REPAIR_QUEUE, _TCP_RECV_QUEUE)
-        rcv_nxt = sock.getsockopt(level, _TCP_QUEUE_SEQ) & _U32
+        setopt(_TCP, _TCP_REPAIR_QUEUE, _TCP_SEND_QUEUE)
+        write_seq = getopt(_TCP, _TCP_QUEUE_SEQ) & _U32
+        setopt(_TCP, _TCP_REPAIR_QUEUE, _TCP_RECV_QUEUE)
+        rcv_nxt = getopt(_TCP, _TCP_QUEUE_SEQ) & _U32
     except OSError:
         return None
     finally:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(level, _TCP_REPAIR, _TCP_REPAIR_OFF_NO_WP)
+        try:  # noqa: SIM105 (every handoff: no context manager)
+            setopt(_TCP, _TCP_REPAIR, _TCP_REPAIR_OFF_NO_WP)
+        except OSError:
+            pass
     try:
-        info = sock.getsockopt(level, socket.TCP_INFO, 256)
-        outq = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        info = getopt(_TCP, _TCP_INFO, _INFO_LEN)
+        (outq,) = _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _INT0))
     except OSError:
         return None
-    if len(info) < _BYTES_ACKED_AT + 16:
+    if len(info) < _INFO_LEN:
         return None
-    acked, received = struct.unpack_from("=QQ", info, _BYTES_ACKED_AT)
+    acked, received = _BYTES.unpack_from(info, _BYTES_ACKED_AT)
     own = (write_seq - outq - acked - (0 if active else 1)) & _U32
     peer = (rcv_nxt - received - 1) & _U32
     return (own, peer) if active else (peer, own)

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages as m
@@ -53,8 +53,6 @@ from .common import Client, log
 from .gate import warn
 
 if TYPE_CHECKING:
-    import asyncio
-
     from .server import HandoffServer
 
 __all__ = ["Channels", "Draft", "PairFds"]
@@ -71,7 +69,6 @@ class PairFds:
     ev: dict[ConnRole, int]
     link: dict[ConnRole, int]
     mem: dict[int, int]
-    timer: asyncio.TimerHandle | None = field(default=None)  # waiting for the second half
 
     def close_link(self, role: ConnRole) -> None:
         fd = self.link.pop(role, None)
@@ -82,9 +79,6 @@ class PairFds:
     def close_shared(self) -> None:
         """Close the daemon's copies of the eventfds and any peer-link end not handed out (the
         memfds belong to the pool)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         for fd in [*self.ev.values(), *self.link.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -106,6 +100,9 @@ class Channels:
         self.pairs = PairTable()
         self.halves: dict[int, Half] = {}
         """Live halves with DMBs of ours, by connection id (what the observer refreshes)."""
+        self._waiting: dict[PairKey, tuple[float, Pair]] = {}
+        """Pairs opened by a first half, with the loop time by which the second is due (oldest
+        first; :meth:`expire` drops the late ones: no timer per connection)."""
 
     @staticmethod
     def memfds(pair: Pair) -> dict[int, int]:
@@ -165,6 +162,8 @@ class Channels:
         srv.deferred.defer(self._count_channel, half, draft, out)
         # The half has its end of the peer link (or lost it): ours goes now.
         self._apply(self.pairs.hand_out(pair, role))
+        if pair.complete:
+            self._forget_waiting(key, pair)
         srv.observer.start()
         if not sent:
             srv.journal.append(srv.ledger.drop(conn_id))
@@ -202,13 +201,33 @@ class Channels:
         )
         pair = self.pairs.open(key, tokens, res)
         assert srv.loop is not None
-        wait = srv.cfg.timeouts.clc_wait * 2 + 1.0
-        res.timer = srv.loop.call_later(wait, self.drop, key, "the other half never arrived")
+        self._waiting.pop(key, None)  # a reused key goes to the end: the order stays by time
+        self._waiting[key] = (srv.loop.time() + srv.cfg.timeouts.clc_wait * 2 + 1.0, pair)
         return pair
+
+    def _forget_waiting(self, key: PairKey, pair: Pair) -> None:
+        entry = self._waiting.get(key)
+        if entry is not None and entry[1] is pair:
+            del self._waiting[key]
+
+    def expire(self, now: float) -> None:
+        """Drop the pairs whose second half did not arrive in time (the gate's tick calls this:
+        a quarter second late at most, instead of a timer per connection)."""
+        waiting = self._waiting
+        while waiting:
+            key, (due, pair) = next(iter(waiting.items()))
+            if due > now:
+                return
+            del waiting[key]
+            if self.pairs.get(key) is pair and not pair.complete:
+                self.drop(key, "the other half never arrived")
 
     def drop(self, key: PairKey, why: str) -> None:
         """Forget a pair whose second half will not come: close what was not handed out (the
         first half then sees its peer link hang up: an abort, never a hang)."""
+        pair = self.pairs.get(key)
+        if pair is not None:
+            self._forget_waiting(key, pair)
         effects = self.pairs.drop(key)
         if effects is None:
             return
@@ -310,5 +329,6 @@ class Channels:
 
     def close(self) -> None:
         """The server stops: close what the open pairs hold."""
+        self._waiting.clear()
         for pair in self.pairs.clear():
             pair_fds(pair).close_shared()

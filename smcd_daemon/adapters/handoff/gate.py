@@ -136,6 +136,7 @@ class Gate:
         self.admission.meter.sample(now, max(0.0, now - self._due) if busy else 0.0)
         try:
             self._expire_pending(now)
+            self._srv.channels.expire(now)
             self._srv.journal.flush()  # hang-ups' lines no channel's line took along
             self._ticks += 1
             if self._ticks % _FLUSH_EVERY == 0:

@@ -1,0 +1,44 @@
+"""Both ends of one TCP connection name it alike (client ISN, server ISN), whatever was sent
+before; two connections are named apart; the socket leaves repair mode untouched."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from smcd_daemon.adapters.tcp_identity import connection_identity
+
+_TCP_REPAIR = 19
+
+
+def pair(lsock: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(lsock.getsockname())
+    server, _ = lsock.accept()
+    return client, server
+
+
+def test_both_ends_agree_and_connections_differ() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        c1, s1 = pair(lsock)
+        c2, s2 = pair(lsock)
+        try:
+            one = connection_identity(c1, active=True)
+            assert one is not None, "needs CAP_NET_ADMIN (TCP_REPAIR): run as root"
+            assert one == connection_identity(s1, active=False)
+            two = connection_identity(c2, active=True)
+            assert two == connection_identity(s2, active=False)
+            assert two != one
+            # data both ways (acked, read, and some left unread) moves no ISN
+            c1.sendall(b"x" * 5000)
+            s1.sendall(b"y" * 300)
+            time.sleep(0.05)
+            assert s1.recv(1000) and c1.recv(10)
+            assert connection_identity(c1, active=True) == one
+            assert connection_identity(s1, active=False) == one
+            for sock in (c1, s1):
+                assert sock.getsockopt(socket.IPPROTO_TCP, _TCP_REPAIR) == 0
+            c1.sendall(b"still a stream")
+            assert s1.recv(6000).endswith(b"still a stream")
+        finally:
+            for sock in (c1, s1, c2, s2):
+                sock.close()
