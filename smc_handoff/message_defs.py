@@ -195,6 +195,8 @@ def valid_dmb_size(size: int) -> bool:
 
 
 def _check_uint(name: str, value: int, bits: int) -> None:
+    if type(value) is int and 0 <= value < (1 << bits):  # the common case, first
+        return
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << bits):
         raise ValueError(f"{name} must be an integer 0..{(1 << bits) - 1}, not {value!r}")
 
@@ -438,7 +440,8 @@ class Channel:
         _check_uint("conn_id", self.conn_id, 64)
         if self.conn_id == 0:
             raise ValueError("conn_id must not be 0")
-        object.__setattr__(self, "mode", Mode(self.mode))
+        if type(self.mode) is not Mode:  # the daemon passes the member; a parse, a number
+            object.__setattr__(self, "mode", Mode(self.mode))
         _check_channel_size("rx_size", self.rx_size)
         _check_channel_size("tx_size", self.tx_size)
 

@@ -32,7 +32,7 @@ from typing import Any
 from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.bpf.peers import PeerDetection
-from smcd_daemon.adapters.fdwatch import fd_watch
+from smcd_daemon.adapters.fdwatch import FdWatch, fd_watch
 from smcd_daemon.config import Config
 from smcd_daemon.core.admission import MAX_CONNECTIONS
 from smcd_daemon.core.buffers import DmbPool
@@ -75,6 +75,10 @@ behind (a full queue fails a timed connect at once)."""
 ACCEPT_PAUSE = 0.1
 """Seconds accepting pauses when the daemon is out of descriptors (the listening socket stays
 readable: without a pause the loop would spin on it)."""
+
+
+_HANDOFFS = (m.Connect, m.Accept)
+_NOTICES = (m.Shutdown, m.Close)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -137,6 +141,7 @@ class HandoffServer:
         #: peer detection (the SMC TCP option via BPF); answers None without a detector
         self.detection = detection if detection is not None else PeerDetection.off()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._watch: FdWatch | None = None  # the loop's (fdwatch), once started
         self.gate = Gate(self)
         self.admission = self.gate.admission
         self.ledger = ChannelLedger()
@@ -187,6 +192,7 @@ class HandoffServer:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._watch = fd_watch(self.loop)
         self._sock.setblocking(False)
         self.loop.add_reader(self._sock.fileno(), self._on_accept)
         self.gate.start(self.loop)
@@ -286,7 +292,8 @@ class HandoffServer:
     async def _readable(self, sock: socket.socket) -> None:
         assert self.loop is not None
         fut: asyncio.Future[None] = self.loop.create_future()
-        watch = fd_watch(self.loop)
+        watch = self._watch
+        assert watch is not None
         watch.add(sock.fileno(), functools.partial(_wake, fut))
         try:
             await fut
@@ -344,7 +351,7 @@ class HandoffServer:
                 return
             self.gate.first_request(client)
             msg, fds = first
-            if isinstance(msg, m.Connect | m.Accept):
+            if isinstance(msg, _HANDOFFS):
                 keep = await self.handshakes.handoff(client, msg, fds[0])
             elif isinstance(msg, m.Listen):
                 keep = self.registrations.listen(client, fds[0])
@@ -358,9 +365,8 @@ class HandoffServer:
                 assert self.loop is not None
                 client.task = None
                 # Level-triggered: a notice already queued wakes it on the next loop turn.
-                fd_watch(self.loop).add(
-                    client.sock.fileno(), functools.partial(self._on_readable, client)
-                )
+                assert self._watch is not None
+                self._watch.add(client.sock.fileno(), functools.partial(self._on_readable, client))
                 watched = True
         except Refused as e:
             self.send(client, e.reply)
@@ -395,7 +401,7 @@ class HandoffServer:
                 self.stats.requests += 1
                 if fds:
                     m.close_fds(fds)
-                if isinstance(msg, m.Shutdown | m.Close):
+                if isinstance(msg, _NOTICES):
                     if client.half is not None:
                         self.deferred.defer(self.channels.notice, client.half, msg)
                         continue
@@ -422,9 +428,9 @@ class HandoffServer:
         if client.watched_done:
             return
         client.watched_done = True
-        if client.task is None and self.loop is not None:
+        if client.task is None and self._watch is not None:
             with contextlib.suppress(Exception):
-                fd_watch(self.loop).remove(client.sock.fileno())
+                self._watch.remove(client.sock.fileno())
         self._clients.discard(client)
         self.gate.release(client)
         try:
