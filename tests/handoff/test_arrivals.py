@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
+import pytest
+
 from smcd_daemon.adapters.handoff.arrivals import Arrivals
 from smcd_daemon.core.handoff_pairs import PairKey
 
@@ -70,3 +72,20 @@ def test_a_server_half_that_never_comes_is_not_waited_for_forever_nor_remembered
         assert len(arr) == 0
 
     asyncio.run(run())
+
+
+def test_fell_back_entries_expire_oldest_first_and_the_table_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from smcd_daemon.adapters.handoff import arrivals
+
+    monkeypatch.setattr(arrivals, "MAX_ENTRIES", 8)
+    arr = Arrivals()
+    keys = [(i, i + 1) for i in range(20)]
+    for key in keys:
+        arr.server_gone(key, fell_back=True, why="plain TCP")
+    assert len(arr) == 8  # the oldest went first
+    assert [k for k in keys if arr.proposed(k)] == []
+    monkeypatch.setattr(arrivals.time, "monotonic", lambda: 1e12)  # KEEP passed for all
+    arr.server_in((99, 100))  # expiry runs: every fallen-back entry goes, the new one stays
+    assert len(arr) == 1

@@ -69,13 +69,18 @@ class Arrivals:
         """Forget ended entries past :data:`KEEP` (oldest first), and the oldest idle ones
         beyond :data:`MAX_ENTRIES`."""
         now = time.monotonic()
-        for key, entry in list(self._entries.items()):
-            over = len(self._entries) > MAX_ENTRIES
+        entries = self._entries
+        doomed: list[PairKey] = []
+        size = len(entries)
+        for key, entry in entries.items():  # stops at the first one to keep: no copy of all
+            over = size - len(doomed) > MAX_ENTRIES
             if not over and not (entry.expires and entry.expires <= now):
                 break
             if entry.waiters:
                 continue
-            del self._entries[key]
+            doomed.append(key)
+        for key in doomed:
+            del entries[key]
 
     @staticmethod
     def _wake(entry: _Entry) -> None:
@@ -123,7 +128,6 @@ class Arrivals:
         proposed and return None (the caller proposes without awaiting anything in between);
         or return why not to propose (it fell back, ended, or did not come in ``timeout``)."""
         deadline = time.monotonic() + timeout
-        loop = asyncio.get_running_loop()
         self._expire()
         entry = self._entries.get(key)
         if entry is None:
@@ -143,6 +147,7 @@ class Arrivals:
                         "the server application did not hand its connection to smcd within "
                         f"{timeout:g} s (timeouts.clc_wait)"
                     )
+                loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
                 entry.waiters.append(fut)
                 handle = loop.call_later(left, _settle, fut)
