@@ -10,10 +10,11 @@ from smcd_daemon.wire.clc import (
     CLC_HEADER_LEN,
     SMCD_EYECATCHER,
     SMCR_EYECATCHER,
-    AcceptConfirm,
+    Accept,
     ClcHeader,
     ClcMessage,
     ClcType,
+    Confirm,
     SmcdInfo,
     decode,
     peek_header,
@@ -53,7 +54,7 @@ def _proposal(raw: bytes) -> ClcMessage:
 _TOKEN = slice(16, 24)
 """The DMB token in an SMC-D Accept/Confirm (header 8, GID 8)."""
 _SMCD_ANSWERS = (ClcType.ACCEPT, ClcType.CONFIRM)
-_ANSWERS: dict[bytes, AcceptConfirm] = {}
+_ANSWERS: dict[bytes, Accept | Confirm] = {}
 
 
 def _smcd_answer(raw: bytes) -> ClcMessage:
@@ -63,7 +64,7 @@ def _smcd_answer(raw: bytes) -> ClcMessage:
     known = _ANSWERS.get(key)
     if known is None:
         msg = decode(raw)
-        if isinstance(msg, AcceptConfirm) and isinstance(msg.info, SmcdInfo):
+        if isinstance(msg, Accept | Confirm) and isinstance(msg.info, SmcdInfo):
             if len(_ANSWERS) >= 256:
                 _ANSWERS.clear()
             _ANSWERS[key] = msg
