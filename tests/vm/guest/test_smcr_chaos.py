@@ -1,9 +1,10 @@
 """The chaos test of #14 over SMC-R: two real ``smcd`` daemons speak SMC-R over Soft-RoCE while
 the server applications' daemon (host B's) is SIGKILLed and restarted during handshakes and
-during transfers, and SIGSTOPped and continued; at the end the client applications' daemon (host
-A's) is SIGKILLed the same way. Both daemons have the other host in ``peers`` (no peer
-detection), so a client daemon proposes whether or not the server's daemon is there: the case
-where a server half that stays on TCP could read a Proposal as data.
+during transfers, and SIGSTOPped and continued; then the client applications' daemon (host
+A's) is SIGSTOPped and continued, and at the end SIGKILLed the same way. Both daemons have the
+other host in ``peers`` (no peer detection), so a client daemon proposes whether or not the
+server's daemon is there: the case where a server half that stays on TCP could read a
+Proposal as data.
 
 A client application on host A (192.0.2.1, its daemon ``a``) runs threads in connect / echo /
 close loops against an echo server application on host B (192.0.2.2, daemon ``b``); every
@@ -14,8 +15,8 @@ data, as TCP with byte-exact data (never beginning with a CLC eyecatcher: the da
 protocol bytes read as data), or as an OSError. A connection still going after :data:`HANG_S`
 is hung; every wait of the applications and of this test is bounded.
 
-The timeline (one restart: a daemon's start-up under TCG is what the test's time goes to;
-about a minute and a half in all on a quiet host, the daemons' start-ups half of it):
+The timeline (one restart: a daemon's start-up under TCG is what the test's time goes to; the
+README's chaos section has a run's figures):
 
 1. ``warm`` — small messages until the first SMC-R connection is through;
 2. ``kill`` — the even client threads move large messages, the odd ones mostly handshake;
@@ -25,7 +26,8 @@ about a minute and a half in all on a quiet host, the daemons' start-ups half of
 3. ``recover`` — until an SMC-R connection is through again (the new b, a new link group);
 4. ``freeze`` — as 2; daemon b is SIGSTOPped for :data:`FREEZE_S` and continued;
 5. ``post`` — until an SMC-R connection is through on the continued daemon;
-6. ``kill-a`` — as 2, but daemon a (the client halves') is SIGKILLed, and not restarted: the
+6. ``freeze-a`` and ``post-a`` — as 4 and 5 with daemon a (the client halves') frozen;
+7. ``kill-a`` — as 2, but daemon a (the client halves') is SIGKILLed, and not restarted: the
    load goes on for :data:`DOWN_S` as ``a-dead`` (clients without their daemon, TCP).
 
 The outcomes are printed by phase, side, mode, fallback reason and result (``-s``) and kept in
@@ -469,7 +471,17 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
         note("SIGCONT smcd b")
         assert recover("post"), f"no SMC-R connection after SIGCONT\n{context()}"
 
-        # The client halves' daemon dies the same way (not restarted: the test ends with it).
+        # The client halves' daemon: frozen and continued, then killed the same way as b (not
+        # restarted: the test ends with it).
+        phase("freeze-a", "split")
+        time.sleep(1.0)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        note(f"SIGSTOP smcd a for {FREEZE_S:g} s")
+        time.sleep(FREEZE_S)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        note("SIGCONT smcd a")
+        assert recover("post-a"), f"no SMC-R connection after SIGCONT of a\n{context()}"
+
         phase("kill-a", "split")
         client.tell("ARM xfer")
         fired = client.expect("XFER", 60.0)
@@ -511,7 +523,7 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
     lines = [
         f"SMC-R chaos: {clients} client connections, {smcr_ok} of them SMC-R and byte-exact; "
         f"daemon b SIGKILLed once (transfers and handshakes in flight) and SIGSTOPped "
-        f"{FREEZE_S:g} s once, then daemon a SIGKILLed once",
+        f"{FREEZE_S:g} s once, then daemon a SIGSTOPped {FREEZE_S:g} s and SIGKILLed once",
         "outcomes by phase, side, mode, fallback reason and result:",
         *(
             f"  {ph:8} {side:6} {mode:5} {reason:28} {outcome:36} {n:>6}"
@@ -532,7 +544,7 @@ def test_daemon_killed_and_frozen_under_load_never_corrupts_a_stream(
     assert hung == 0, f"hung connections:\n{text}"
     odd = [r for r in rows if not r[4].startswith(("ok", "error "))]
     assert not odd, f"outcomes outside the rule: {odd}\n{text}"
-    for ph in ("warm", "recover", "post"):
+    for ph in ("warm", "recover", "post", "post-a"):
         ok = sum(n for r, n in rows.items() if r[:3] == ("client", ph, "smcr") and r[4] == "ok")
         assert ok > 0, f"client: no byte-exact SMC-R connection in phase {ph}\n{text}"
     after = sum(n for r, n in rows.items() if r[:3] == ("client", "a-dead", "tcp") and r[4] == "ok")
