@@ -2,7 +2,8 @@
 with a Decline on the first read, as it does for blocking sockets, without blocking the event
 loop. Real processes: an unmodified asyncio echo server under ``smc-run`` with no daemon (its
 listener falls back, so every accepted connection is a guarded TCP server half), reading with
-streams, a ``BufferedProtocol`` or ``loop.sock_recv``; the client is a plain socket here that
+streams, a ``BufferedProtocol`` or ``loop.sock_recv``, or one using ``smc_handoff.aio``'s
+``start_server`` itself; the client is a plain socket here that
 writes what a proposing daemon would. The server's loop measures its own worst lag: a check that
 waited on the loop for the rest of a Proposal would show it."""
 
@@ -105,6 +106,18 @@ async def main():
     elif mode == "buffered":
         srv = await loop.create_server(Echo, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
+    elif mode == "aio":  # the library's own asyncio API, without smc-run: it reports like -v
+        from smc_handoff import aio
+
+        async def handle_aio(reader, writer):
+            sock = aio.smc_socket(writer)
+            print(f"accept {writer.get_extra_info('peername')}: {sock.mode} ({sock.fallback})",
+                  file=sys.stderr, flush=True)
+            await handle(reader, writer)
+
+        srv = await aio.start_server(handle_aio, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        print(f"listen {port}: tcp ({srv.fallback})", file=sys.stderr, flush=True)
     else:
         lsock = socket.socket()
         lsock.bind(("127.0.0.1", 0))
@@ -118,7 +131,7 @@ async def main():
 asyncio.run(main())
 '''
 
-MODES = ["streams", "buffered", "sock"]
+MODES = ["streams", "buffered", "sock", "aio"]
 
 
 class Server:
@@ -155,8 +168,9 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
         "PYTHONPATH": os.fspath(REPO),
         "LATE_CLC_WAIT": "1.0",
     }
+    smc_run = [] if request.param == "aio" else ["-m", "smc_handoff.run", "-v"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "smc_handoff.run", "-v", "-c", SERVER, request.param],
+        [sys.executable, *smc_run, "-c", SERVER, request.param],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
     )  # fmt: skip
     assert proc.stdout is not None
