@@ -46,7 +46,7 @@ __all__ = [
 
 VENV_BIN = Path(sys.executable).parent
 #: Whole VM run (boot + all guest tests + poweroff); SMCD_VM_TIMEOUT overrides.
-DEFAULT_VM_TIMEOUT = 1080
+DEFAULT_VM_TIMEOUT = 1800
 VM_MEMORY = "2G"
 VM_CPUS = "2"
 
