@@ -90,8 +90,9 @@ class Arrivals:
 
     # -- the server half --------------------------------------------------------------------
 
-    def server_in(self, key: PairKey) -> None:
-        """The server half of ``key`` was handed over and is about to peek."""
+    def server_in(self, key: PairKey) -> bool:
+        """The server half of ``key`` was handed over and is about to peek. True if a client
+        half was waiting for it: that one proposes on its next step, on this loop turn."""
         self._expire()
         entry = self._entries.pop(key, None)
         if entry is None:
@@ -99,7 +100,9 @@ class Arrivals:
         else:  # a client half waits already (or a reused 4-tuple)
             entry.state, entry.why, entry.expires = ServerHalf.WAITING, "", 0.0
         self._entries[key] = entry
+        woken = any(not fut.done() for fut in entry.waiters)
         self._wake(entry)
+        return woken
 
     def proposed(self, key: PairKey) -> bool:
         """Server half, its peek found no Proposal: is one coming (the client marked it)?"""

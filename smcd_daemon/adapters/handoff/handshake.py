@@ -96,6 +96,29 @@ _ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons"
 """Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
 
 
+class PairedTcp(BorrowedTcp):
+    """A borrowed socket whose other end may be a half this daemon serves on the same loop.
+
+    Once ``paired`` is set (the other half is known to be ours and running its handshake), a
+    read for the answer to what we just wrote first gives the loop one turn: the other half,
+    queued on this turn, reads our message and writes its answer, which our read then finds
+    at once instead of registering a wait, a timer and a wake-up (two loop turns each). When
+    the answer is not there after that turn, the read waits as any other."""
+
+    paired = False
+    _answer_due = False
+
+    async def write_all(self, data: bytes, timeout: float) -> None:
+        await super().write_all(data, timeout)
+        self._answer_due = self.paired
+
+    async def read_exactly(self, n: int, timeout: float) -> bytes:
+        if self._answer_due:
+            self._answer_due = False
+            await asyncio.sleep(0)
+        return await super().read_exactly(n, timeout)
+
+
 def _routed_out(service: SmcrService, local: IpAddress, peer: IpAddress) -> bool:
     """Does traffic from ``local`` to ``peer`` (an address of this host) leave through a real
     netdev? Normally not (the local table sends it through ``lo``: loopback-ism territory); only
@@ -265,7 +288,7 @@ class Handshakes:
         srv = self._srv
         role = ConnRole.CLIENT if isinstance(req, m.Connect) else ConnRole.SERVER
         try:
-            tcp = BorrowedTcp(fd)
+            tcp = PairedTcp(fd)
         except BorrowedTcpError as e:
             srv.stats.invalid += 1
             warn.warning("bad-tcp", "handoff: %s from %s: %s", req.TYPE.name, client.label, e)
@@ -300,8 +323,8 @@ class Handshakes:
             if role is ConnRole.CLIENT:
                 outcome = await self._run_client(client, req.dmb_size, tcp, key)
             else:
-                self.arrivals.server_in(key)
-                outcome = await self._run_server(client, req.dmb_size, tcp, key)
+                proposing = self.arrivals.server_in(key)
+                outcome = await self._run_server(client, req.dmb_size, tcp, key, proposing)
         except BaseException:
             tcp.close()
             if role is ConnRole.SERVER:
@@ -415,7 +438,7 @@ class Handshakes:
         return True
 
     async def _run_client(
-        self, client: Client, hint: int, tcp: BorrowedTcp, key: PairKey
+        self, client: Client, hint: int, tcp: PairedTcp, key: PairKey
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         srv = self._srv
         peer = endpoint(tcp.peer)
@@ -446,6 +469,7 @@ class Handshakes:
             not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
             if not_yet is not None:
                 return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
+            tcp.paired = True  # its server half answers on the loop turn we write on
         session = srv.loopback.session(
             client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
         )
@@ -465,9 +489,14 @@ class Handshakes:
                 srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=key)
 
     async def _run_server(
-        self, client: Client, hint: int, tcp: BorrowedTcp, key: PairKey
+        self, client: Client, hint: int, tcp: PairedTcp, key: PairKey, proposing: bool = False
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
+        """``proposing``: our client half was waiting for this one and proposes on its next
+        step; one loop turn lets it write first, so the peek finds the Proposal at once (no
+        wait registered, no timer, no wake-up)."""
         srv = self._srv
+        if proposing:
+            await asyncio.sleep(0)
         detected = srv.detection.peer(tcp.fd)
         if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
             detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
@@ -499,6 +528,7 @@ class Handshakes:
         session = srv.loopback.session(
             client.uid, tcp.local, tcp.peer, server=True, key=key, owner=self._netns(client)
         )
+        tcp.paired = self.arrivals.proposed(key)  # our client half: it answers on our turn
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
         if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
             # only a Proposal with SMC-R ends so on this path: say why SMC-R was not tried
