@@ -3,12 +3,15 @@
 :class:`SmcTransport` drives an :class:`~smc_handoff.socket.SmcSocket` in SMC mode on one event
 loop, as ``asyncio``'s own socket transport drives a TCP socket, with the same contract:
 
-* waking: one ``loop.add_reader`` on the channel's :meth:`~smc_handoff.channel.Channel.kick_fd`
-  (the peer link). When the transport wants data (and has none) it asks the peer for a kick
+* waking: ``loop.add_reader`` on the channel's :meth:`~smc_handoff.channel.Channel.event_fd`
+  (its eventfd). When the transport wants data (and has none) it asks the peer for a kick
   (:meth:`~smc_handoff.channel.Channel.arm_readable`), and when the peer's ring is full, for a
   kick once its reader freed room (:meth:`~smc_handoff.channel.Channel.arm_space`): the peer
-  kicks the link only when asked, so a busy stream makes no wakeup syscalls, and a wait is
-  never a timer or a poll. The peer's hang-up makes the link readable too;
+  kicks only when asked, so a busy stream makes no wakeup syscalls, and a wait is never a
+  timer or a poll. The kick is an eventfd write, not a send on the peer link as for a
+  blocking wait: a link send and its drain cost about three times an eventfd's, twice per
+  round trip (see the README's asyncio rows). The link is watched as well, for the peer's
+  hang-up only (no kick is asked for there);
 * reading: ``data_received`` with one copy out of the peer's ring, or for a
   :class:`asyncio.BufferedProtocol` ``get_buffer``/``buffer_updated`` with one copy straight
   into the protocol's buffer; ``pause_reading``/``resume_reading``; ``eof_received`` after the
@@ -158,8 +161,10 @@ class SmcTransport(asyncio.Transport):
         if channel is None:
             raise ValueError("SmcTransport needs a socket in SMC mode")
         self._channel = channel
-        self._fd = channel.kick_fd()
-        self._watching = False  # add_reader(kick_fd) is in place
+        self._fd = channel.event_fd()
+        self._link_fd = channel.kick_fd()  # readable only when the peer hangs up
+        self._watching = False  # add_reader(event_fd) is in place
+        self._watching_link = False  # add_reader(kick_fd) is in place
         self._want_data = False  # a data kick is armed
         self._want_space = False  # a space kick is armed (the buffer waits for room)
         self._read_handle: asyncio.Handle | None = None  # a read scheduled without a kick
@@ -197,6 +202,8 @@ class SmcTransport(asyncio.Transport):
                 waiter.set_exception(e)
             self._force_close(e if isinstance(e, Exception) else None)
             return
+        self._watching_link = True
+        self._loop.add_reader(self._link_fd, self._link_readable)
         if not self._paused and not self._closing:
             self._want_read()
         if waiter is not None and not waiter.done():
@@ -214,11 +221,24 @@ class SmcTransport(asyncio.Transport):
             self._watching = False
             self._loop.remove_reader(self._fd)
 
-    def _kicked(self) -> None:
-        """The kick descriptor is readable: a kick we asked for, or the peer hung up."""
-        self.wakeups += 1
+    def _link_readable(self) -> None:
+        """The peer link is readable: the peer hung up (or a kick queued there before us)."""
         ch = self._channel
-        ch.drain_kicks()  # first: a kick after this keeps the descriptor readable
+        ch.drain_kicks()  # records a hang-up
+        if ch.peer_closed:
+            if self._watching_link:
+                self._watching_link = False
+                self._loop.remove_reader(self._link_fd)  # readable for good now
+            self._look()
+
+    def _kicked(self) -> None:
+        """The eventfd is readable: a kick we asked for."""
+        self.wakeups += 1
+        self._channel.drain_kicks(link=False)  # first: a kick after this keeps it readable
+        self._look()
+
+    def _look(self) -> None:
+        ch = self._channel
         # Look only where the kick can be for: a request still armed stays armed (its kick has
         # not come: the peer publishes before it kicks).
         if self._want_space and ch.tx_room:
@@ -229,14 +249,14 @@ class SmcTransport(asyncio.Transport):
             self._want_data = False
             self._read_ready()  # asks for the next data kick when it empties the ring
         if not (self._want_data or self._want_space):
-            self._unwatch()  # nothing asked for: a hung-up link must not spin the loop
+            self._unwatch()  # nothing asked for: no epoll wakeups meanwhile
 
     def _want_read(self) -> None:
         """Read now if something is there, else ask for a data kick."""
         if self._want_data or self._lost or self._paused or self._at_eof or self._closing:
             return
         try:
-            armed = self._channel.arm_readable()
+            armed = self._channel.arm_readable(link=False)
         except OSError as e:
             self._fatal_error(e)
             return
@@ -377,7 +397,7 @@ class SmcTransport(asyncio.Transport):
         if self._want_space or self._lost:
             return
         try:
-            armed = self._channel.arm_space()
+            armed = self._channel.arm_space(link=False)
         except OSError as e:
             self._fatal_error(e)
             return
@@ -391,6 +411,9 @@ class SmcTransport(asyncio.Transport):
     def _stop_watching(self) -> None:
         self._want_data = self._want_space = False
         self._unwatch()
+        if self._watching_link:
+            self._watching_link = False
+            self._loop.remove_reader(self._link_fd)
         if self._read_handle is not None:
             self._read_handle.cancel()
             self._read_handle = None

@@ -49,6 +49,8 @@ importable from here.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from typing import Any
 
@@ -507,10 +509,25 @@ class Channel(ChannelBase):
         self._check_open()
         return self._link_fd
 
-    def drain_kicks(self) -> None:
+    def event_fd(self) -> int:
+        """The RX eventfd, for a loop that asks with ``arm_readable(link=False)`` /
+        ``arm_space(link=False)``: the peer then kicks it with an eventfd write, about a third
+        of a link send plus its drain (``bench/asyncio_rows.py``: a few microseconds per round
+        trip). It says nothing of a hang-up: the loop also watches :meth:`kick_fd`, which no
+        kick reaches then. Not with :meth:`fileno` (level mode owns this eventfd)."""
+        self._check_open()
+        return self._rx_efd
+
+    def drain_kicks(self, link: bool = True) -> None:
         """Take one kick off :meth:`kick_fd` before looking (a kick after this keeps it
         readable; so does a second one queued, which costs one spurious wakeup, not a syscall
-        on every wakeup); a hang-up seen here is recorded, so the next arm says "look now"."""
+        on every wakeup); a hang-up seen here is recorded, so the next arm says "look now".
+        ``link=False``: empty :meth:`event_fd` instead."""
+        if not link:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._rx_efd)
+            return
         if self._closed or self._link_dead:
             return
         try:
@@ -521,26 +538,28 @@ class Channel(ChannelBase):
         except OSError:  # an error on the link: is the peer gone?
             self._check_link()
 
-    def arm_readable(self) -> bool:
-        """Ask the peer to kick :meth:`kick_fd` when data, EOF or an abort arrives. False when
-        that is there already or the peer is gone: nothing is armed, read now."""
+    def arm_readable(self, link: bool = True) -> bool:
+        """Ask the peer to kick :meth:`kick_fd` (``link=False``: :meth:`event_fd`) when data,
+        EOF or an abort arrives. False when that is there already or the peer is gone: nothing
+        is armed, read now."""
         self._check_open()
         if self._rx_ready() or self._link_dead:
             return False
-        self._arm(self._wd, True, fresh=True)
+        self._arm(self._wd, link, fresh=True)
         if self._rx_ready():  # published before the peer could see the request
             self._disarm(self._wd)
             return False
         return True
 
-    def arm_space(self) -> bool:
-        """Ask the peer to kick :meth:`kick_fd` when its reader frees room in its ring (it kicks
-        once half of it is free, as for a blocking :meth:`wait_writable`). False when there is
-        room already, or an error to raise, or the peer is gone: nothing is armed, write now."""
+    def arm_space(self, link: bool = True) -> bool:
+        """Ask the peer to kick :meth:`kick_fd` (``link=False``: :meth:`event_fd`) when its
+        reader frees room in its ring (it kicks once half of it is free, as for a blocking
+        :meth:`wait_writable`). False when there is room already, or an error to raise, or the
+        peer is gone: nothing is armed, write now."""
         self._check_open()
         if self._tx_ready() or self._link_dead:
             return False
-        self._arm(self._ws, True, fresh=True)
+        self._arm(self._ws, link, fresh=True)
         if self._tx_ready():
             self._disarm(self._ws)
             return False
