@@ -271,6 +271,10 @@ class ListenerTable:
 
     def __init__(self) -> None:
         self._by_ident: dict[int, Listener] = {}
+        self._by_port: dict[int, dict[int, Listener]] = {}
+        """The same listeners by port, then ident (registration order): a handoff looks at the
+        listeners of its peer's port only."""
+        self._netns: dict[int, int] = {}  # listeners per namespace inode (0: unknown)
         self._next = 1
 
     def __len__(self) -> int:
@@ -285,11 +289,30 @@ class ListenerTable:
         lst = Listener(self._next, ip, port, uid, conn_id, pid, netns)
         self._next += 1
         self._by_ident[lst.ident] = lst
+        self._by_port.setdefault(port, {})[lst.ident] = lst
+        self._netns[netns] = self._netns.get(netns, 0) + 1
         return lst
 
     def remove(self, lst: Listener) -> bool:
         """Forget ``lst``; False if it was not registered (any more)."""
-        return self._by_ident.pop(lst.ident, None) is not None
+        if self._by_ident.pop(lst.ident, None) is None:
+            return False
+        same_port = self._by_port.get(lst.port)
+        if same_port is not None:
+            same_port.pop(lst.ident, None)
+            if not same_port:
+                del self._by_port[lst.port]
+        left = self._netns.get(lst.netns, 0) - 1
+        if left > 0:
+            self._netns[lst.netns] = left
+        else:
+            self._netns.pop(lst.netns, None)
+        return True
+
+    def in_other_netns(self, own: int) -> bool:
+        """Is a listener registered from a network namespace other than ``own`` (known ones
+        only)? Asked by every handoff whose peer is no listener: counted, not searched."""
+        return any(ns and ns != own for ns in self._netns)
 
     def why_smc(
         self,
@@ -301,9 +324,10 @@ class ListenerTable:
         """Why a peer at ``ip``/``port`` speaks SMC (a listener registered on it), or None.
         A wildcard listener matches an address of this host (``is_local`` says which), or of
         the listener's own network namespace when ``local_to`` is given."""
-        for lst in self._by_ident.values():
-            if lst.port != port:
-                continue
+        same_port = self._by_port.get(port)
+        if same_port is None:
+            return None
+        for lst in same_port.values():
             if lst.ip == ip:
                 return f"registered listener {lst.ident}"
             if lst.ip.is_unspecified and (

@@ -254,6 +254,34 @@ def test_listener_matching_exact_wildcard_and_gone() -> None:
     assert table.add(IP_A, 22, 0, conn_id=12).ident == 3  # identifiers are never reused
 
 
+def test_listeners_sharing_a_port_match_in_registration_order() -> None:
+    table = ListenerTable()
+    wild = table.add(ipaddress.ip_address("0.0.0.0"), 8080, 1000, conn_id=20)
+    exact = table.add(IP_A, 8080, 1000, conn_id=21)
+    other = table.add(IP_A, 9090, 1000, conn_id=22)
+    everywhere = lambda ip: True  # noqa: E731
+    assert table.why_smc(IP_A, 8080, everywhere) == f"registered listener {wild.ident} (wildcard)"
+    assert table.remove(wild)
+    assert table.why_smc(IP_A, 8080, everywhere) == f"registered listener {exact.ident}"
+    assert table.remove(exact) and table.why_smc(IP_A, 8080, everywhere) is None
+    assert table.why_smc(IP_A, 9090, everywhere) == f"registered listener {other.ident}"
+    assert [lst.ident for lst in table] == [other.ident]
+
+
+def test_listeners_of_other_namespaces_are_counted() -> None:
+    table = ListenerTable()
+    assert not table.in_other_netns(7)
+    here = table.add(IP_A, 80, 0, conn_id=1, netns=7)
+    unknown = table.add(IP_A, 81, 0, conn_id=2)  # netns 0: taken as the daemon's
+    assert not table.in_other_netns(7)
+    there = [table.add(IP_A, 82, 0, conn_id=3, netns=9), table.add(IP_A, 83, 0, conn_id=4, netns=9)]
+    assert table.in_other_netns(7) and table.in_other_netns(9)  # each sees the other
+    assert table.remove(there[0]) and table.in_other_netns(7)
+    assert table.remove(there[1]) and not table.in_other_netns(7)
+    assert table.remove(here) and table.remove(unknown) and not table.in_other_netns(7)
+    assert not table.remove(here) and not table.in_other_netns(7)
+
+
 # -- the DMB observer -------------------------------------------------------------------------
 
 

@@ -239,7 +239,7 @@ class Handshakes:
         """No listener at the peer's address: is it a published (DNAT'ed) port of a listener
         registered here from another namespace? Looked up in the connection tracking tables
         only while such listeners exist (:mod:`..netns_view`)."""
-        if not any(lst.netns and lst.netns != _OWN_NETNS for lst in self._srv.listeners):
+        if not self._srv.listeners.in_other_netns(_OWN_NETNS):
             return None, False
         cred = client.cred
         real = await dnat_target(tcp.local, tcp.peer, cred.pid if cred else 0)
