@@ -405,7 +405,11 @@ class ChannelBase:
             woken = False
             while True:
                 fresh = self._arm(w, on_link, woken)
-                self._drain(on_link)  # before looking: a kick after the look stays readable
+                if not on_link:  # before looking: a kick after the look stays readable
+                    self._drain(False)
+                # The link is not drained here: a kick left over from an earlier request only
+                # makes the poll return at once, and is taken below like the one that wakes us
+                # (draining first cost a failing recv, and its exception, on every sleep).
                 if ready():
                     return True
                 nap = layout.SAFETY_NET_S if fresh else _SLEEP_CAP_S
@@ -426,6 +430,8 @@ class ChannelBase:
                 for _fd, ev in events:
                     if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         self._check_link()
+                if on_link:
+                    self._take_kick()
                 if ready():
                     return True
         finally:
@@ -503,6 +509,16 @@ class ChannelBase:
         else:
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._rx_efd)
+
+    def _take_kick(self) -> None:
+        """Take one kick off the link after a poll said it is readable (one message, one recv:
+        a second kick queued behind it costs a spurious wakeup, which the wait's loop absorbs,
+        not a failing recv on every sleep)."""
+        if not self._link_dead:
+            try:  # noqa: SIM105 (a plain try: this is every sleep's path)
+                self._link.recv(64, socket.MSG_DONTWAIT)
+            except OSError:  # nothing queued after all (EAGAIN), or the peer is gone
+                pass
 
     def _level_sync(self) -> None:
         """Make the eventfd's readability match "data, EOF or abort pending" (level mode)."""

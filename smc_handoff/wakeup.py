@@ -107,20 +107,26 @@ def spin(
     right after a yield that ran another task, see :data:`SPIN_SWITCHED_NS`), later spins
     yield at once: the round trip then costs two context switches, not two yield periods."""
     clock = time.perf_counter_ns
-    if not w.yield_ns:
-        # The peer shares our CPU (see SPIN_SWITCHED_NS): it cannot store anything before we
-        # give the CPU up, so yield first, before the set-up of a spin: each of our turns of a
-        # ping-pong then costs one yield and the peer's turn, nothing more.
-        before = clock()
-        os.sched_yield()
-        if hdr[idx] != old:
-            if clock() - before < SPIN_SWITCHED_NS:  # no switch: the peer has a CPU of its own
-                w.yield_ns = SPIN_YIELD_NS
-            return True
     now = clock()
     until, backoff = spin_backoff
     if now < until:
         return False
+    if not w.yield_ns:
+        # The peer shares our CPU (see SPIN_SWITCHED_NS): it cannot store anything before we
+        # give the CPU up, so yield first, before the set-up of a spin: each of our turns of a
+        # ping-pong then costs one yield and the peer's turn, nothing more.
+        os.sched_yield()
+        after = clock()
+        if hdr[idx] != old:
+            if after - now < SPIN_SWITCHED_NS:  # no switch: the peer has a CPU of its own
+                w.yield_ns = SPIN_YIELD_NS
+            return True
+        if after - now > SPIN_CONTENDED_NS and not ready():  # a third task: as below
+            spin_backoff[0] = after + backoff
+            spin_backoff[1] = min(SPIN_BACKOFF_MAX_NS, backoff * 2)
+            w.spin_ns = max(SPIN_MIN_NS, w.spin_ns >> 1)
+            return False
+        now = after
     budget = w.spin_ns
     end = now + budget
     if timeout is not None:
