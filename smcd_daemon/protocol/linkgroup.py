@@ -238,15 +238,23 @@ class LinkGroup(AddLinkFlows, DeleteLinkFlows, RkeyFlows):
             self._resume(QpReady(qpn, psn))
         return self._drain()
 
-    def first_contact_peer(self, peer: PeerQp, now: float) -> list[Output]:
+    def first_contact_peer(self, peer: PeerQp, now: float,
+                           peer_rmb: tuple[int, int] | None = None) -> list[Output]:  # fmt: skip
         """The CLC handshake told us the peer's QP of the first link: server after the
-        Confirm, client after the Accept. Runs CONFIRM LINK, then tries a second link."""
+        Confirm, client after the Accept. Runs CONFIRM LINK, then tries a second link.
+
+        ``peer_rmb`` (rkey, vaddr): the peer's RMB the same CLC message named. Its rtoken is
+        added now, before any LLC (``smc_rmb_rtoken_handling`` precedes the first link's
+        confirmation): the second link's rkeys for it (ADD LINK v2 extension, ADD LINK CONT)
+        may arrive before the connection is attached, and are kept only for a known RMB."""
         self._now = now
         lk = self._links.get(self._first_link or -1)
         if lk is None or lk.qpn is None or lk.peer is not None:
             raise LinkGroupError("first_contact_peer needs the first link's QP, once")
         lk.peer = peer
         lk.mtu = min(lk.port.mtu, peer.mtu)
+        if peer_rmb is not None:
+            self._rtoken_add(lk.link_id, *peer_rmb)
         gen = self._srv_first_contact(lk) if self.role == Role.SERVER else self._cli_first(lk)
         self._local(lambda: self._start_flow(FlowType.ADD_LINK, gen))
         return self._drain()

@@ -395,10 +395,12 @@ class SmcrTransport(LlcOutputs):
     def begin_first_link(self, outcome: SmcrOutcome) -> None:
         """A first contact's CLC outcome: the peer's QP is known. The client's QP goes to RTR
         now (before its Confirm leaves, as ``smc_connect_rdma`` readies the link first); the
-        server's goes to RTS and sends LLC CONFIRM LINK."""
+        server's goes to RTS and sends LLC CONFIRM LINK. The peer's RMB is known from here on:
+        a second link's rkeys for it may come before :meth:`attach`."""
         g = self._lgr(outcome.lgr_id)
         g.peer_macs[outcome.link_id] = outcome.peer_mac
-        self._apply(g, g.fsm.first_contact_peer(outcome.peer_qp, self._now()))
+        peer_rmb = (outcome.peer_rmb_rkey, outcome.peer_rmb_vaddr)
+        self._apply(g, g.fsm.first_contact_peer(outcome.peer_qp, self._now(), peer_rmb))
 
     async def wait_first_link(self, outcome: SmcrOutcome, timeout: float = 15.0) -> str | None:
         """Wait for LLC CONFIRM LINK of a first contact. None when the link is up, else the

@@ -156,6 +156,9 @@ class LlcOutputs:
         if conn is None:
             return
         log.info("SMC-R connection %d: failover link %d -> %d", o.conn_id, o.from_link, o.to_link)
+        if o.peer_rkey is None:  # the peer never named its RMB on that link: writes will fail
+            log.warning("SMC-R connection %d: no rkey of the peer's RMB on link %d",
+                        o.conn_id, o.to_link)  # fmt: skip
         conn.queued = False
         to = g.links.get(o.to_link)
         if to is not None:  # the send buffer must be registered with the new PD
