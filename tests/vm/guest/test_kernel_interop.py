@@ -691,8 +691,15 @@ def test_kernel_deleting_its_link_groups_is_answered(
     OP_INIT_TERM) instead of its idle timer's 10 minutes. smcd as server echoes it (orderly,
     with the kernel's reason: ``smc_llc_process_srv_delete_link``), as client it terminates and
     sends its own DELETE LINK ALL (``smc_lgr_cleanup``); no DELETE LINK response is due in
-    either role. Then smcd lists no link group and its QPs are gone."""
-    a0, b0 = ports_of("a")[0], ports_of("b")[0]
+    either role. Then smcd lists no link group and its QPs are gone.
+
+    An earlier test's link group may span both of host A's devices (the ADD LINK test leaves one
+    with its link on rxe_a1): each link is looked up on its own device and wire, and the
+    kernel's DELETE LINK ALL is expected once per link group, on whichever link it chose
+    (``smc_llc_send_link_delete_all``: the first usable one)."""
+    ours_a = ports_of("a")
+    by_dev = {p.rxe: p for p in ours_a}
+    our_addrs = {p.address for p in ours_a}
     for direction in ("s2k", "k2s"):  # a link group in each role (or earlier tests' ones)
         port = fresh_port()
         server, client = ("kernel", "smcd") if direction == "s2k" else ("smcd", "kernel")
@@ -704,36 +711,58 @@ def test_kernel_deleting_its_link_groups_is_answered(
         assert ours["mode"] == "smcr" and theirs["got"].startswith("hello"), (ours, theirs)
         peers.finish()
         peers.procs.clear()
+
+    def live_qps() -> set[tuple[str, int]]:
+        """(device, QPN) of every RC QP on host A's devices (smcd's own)."""
+        return {(dev, q["lqpn"]) for dev in by_dev for q in rc_qps(dev) if "lqpn" in q}
+
     snapshot: list[dict[str, Any]] = []
 
     def consistent() -> bool:
-        """smcd's link groups and the QPs on rxe_a0 agree (seen once differing, a QP gone that
-        smcd still listed: the two reads are not atomic, so they are read again)."""
+        """Each link smcd lists has its QP on its device (the two reads are not atomic: a link
+        being torn down may still be listed, so they are read again)."""
         snapshot[:] = smcr_groups(smcd)
-        live = {q.get("lqpn") for q in rc_qps(a0.rxe)}
-        return all(lk["Qpn"] in live for g in snapshot for lk in g["LinkObjects"])
+        live = live_qps()
+        return all((lk["IbDev"], lk["Qpn"]) in live for g in snapshot for lk in g["LinkObjects"])
 
     try:
-        wait_until(consistent, "agreement of smcd's link groups and rxe_a0's QPs", 60)
+        wait_until(consistent, "agreement of smcd's link groups and host A's QPs", 60)
     except AssertionError as e:
-        pytest.fail(f"{e}: {snapshot}\n{rc_qps(a0.rxe)}\n{smcd.tail(8000)}")
+        pytest.fail(f"{e}: {snapshot}\n{sorted(live_qps())}\n{smcd.tail(8000)}")
     groups = snapshot
     assert {g["Role"] for g in groups} == {"CLNT", "SERV"}, groups
-    links = [(g, lk) for g in groups for lk in g["LinkObjects"]]
-    qpns = {lk["Qpn"] for _, lk in links}
-    with ks.capture(a0.ifname, ["udp port 4791"], scratch / "delete_link.pcap") as pcap:
+    assert all(lk["IbDev"] in by_dev for g in groups for lk in g["LinkObjects"]), groups
+    qps = {(lk["IbDev"], lk["Qpn"]) for g in groups for lk in g["LinkObjects"]}
+    bpf = ["udp port 4791"]
+    with contextlib.ExitStack() as stack:
+        pcaps = {
+            p.rxe: stack.enter_context(
+                ks.capture(p.ifname, bpf, scratch / f"delete_link_{p.ifname}.pcap")
+            )
+            for p in ours_a
+        }
         restart_kernel_smc(smcd)
         time.sleep(2.0)
-    traffic = ks.PcapTraffic.from_pcap(pcap)
-    kernel_says = llc_messages(traffic, b0.address, a0.address)
-    we_say = llc_messages(traffic, a0.address, b0.address)
+    kernel_says: list[tuple[str, int, llc.LlcMessage]] = []  # (our device, dest QP, message)
+    we_say: list[tuple[str, int, llc.LlcMessage]] = []
+    for dev, pcap in pcaps.items():
+        for send in ks.PcapTraffic.from_pcap(pcap).sends:
+            if not send.payload or send.payload[0] == 0xFE:
+                continue  # a CDC message
+            with contextlib.suppress(Exception):
+                msg = llc.decode(send.payload)
+                (we_say if send.src in our_addrs else kernel_says).append((dev, send.dest_qp, msg))
     print(f"Linux {KERNEL}: rmmod smc; LLC from the kernel {kernel_says}; from smcd {we_say}")
-    for g, lk in links:
-        asked = [m for qp, m in kernel_says if qp == lk["Qpn"] and isinstance(m, llc.DeleteLink)]
+    for g in groups:
+        mine = {(lk["IbDev"], lk["Qpn"]) for lk in g["LinkObjects"]}
+        theirs = {(lk["IbDev"], lk["PeerQpn"]) for lk in g["LinkObjects"]}
+        asked = [m for dev, qp, m in kernel_says
+                 if (dev, qp) in mine and isinstance(m, llc.DeleteLink)]  # fmt: skip
         assert asked, f"no DELETE LINK from the kernel for link group {g['Id']:#x}: {kernel_says}"
         req = asked[0]
         assert req.flags & llc.DeleteLinkFlag.ALL and not req.is_response, req
-        answers = [m for qp, m in we_say if qp == lk["PeerQpn"] and isinstance(m, llc.DeleteLink)]
+        answers = [m for dev, qp, m in we_say
+                   if (dev, qp) in theirs and isinstance(m, llc.DeleteLink)]  # fmt: skip
         assert answers, f"smcd ({g['Role']}) sent no DELETE LINK back: {we_say}"
         ans = answers[0]
         assert ans.flags & llc.DeleteLinkFlag.ALL and not ans.is_response and ans.is_v2, ans
@@ -743,8 +772,7 @@ def test_kernel_deleting_its_link_groups_is_answered(
             assert ans.reason == llc.DeleteLinkReason.PROGRAM_TERMINATION, ans
     assert not smcr_groups(smcd)
     # smcd destroys a QP shortly after its link (the last sends drain first)
-    wait_until(lambda: not {q.get("lqpn") for q in rc_qps(a0.rxe)} & qpns,
-               f"end of smcd's QPs {sorted(qpns)} on {a0.rxe}", 30)  # fmt: skip
+    wait_until(lambda: not live_qps() & qps, f"end of smcd's QPs {sorted(qps)}", 30)
 
 
 B1_EXTRA = "192.0.2.66"
