@@ -106,6 +106,19 @@ def below_bound(
     return limit
 
 
+def below_bounds(
+    key: str, factor: float, bounds: tuple[tuple[str, str], ...]
+) -> Callable[[UserResults], str | None]:
+    """:func:`below_bound` for several bounds (key, name): each one the target time is below."""
+    checks = [below_bound(key, factor, bound, name) for bound, name in bounds]
+
+    def limit(res: UserResults) -> str | None:
+        found = [text for check in checks if (text := check(res))]
+        return "; ".join(found) if found else None
+
+    return limit
+
+
 def cpu_above(bound: str, limit_us: float) -> Callable[[UserResults], str | None]:
     """ "smcd CPU > N us" when the daemon alone spends more per connection than the target
     allows (one connection at a time, its handshake is on the critical path)."""
@@ -123,6 +136,8 @@ def _all(*oks: Callable[[UserResults], bool]) -> Callable[[UserResults], bool]:
 
 RR_SIZES = ((1, "1 B", "1b", 0.3), (1024, "1 KiB", "1k", 0.3), (65536, "64 KiB", "64k", 0.5))
 """Request/response sizes: bytes, label, key suffix, the p50 target as a fraction of TCP's."""
+PY_BOUNDS = (("py2", "two CPUs"), ("py1", "one CPU"))
+"""The Python echo's bounds of a round trip (bench/_rtt_ceiling.py): key suffix, placement."""
 
 
 def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
@@ -162,11 +177,21 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
                 check=Check(
                     f"<= {factor:g}x tcp",
                     ratio_at_most(p50, factor),
-                    below_bound(p50, factor, p50, "bound"),
+                    below_bounds(
+                        p50,
+                        factor,
+                        (
+                            (p50, "bound"),
+                            *((f"{p50}_{k}", f"Python echo, {n}") for k, n in PY_BOUNDS),
+                        ),
+                    ),
                 ),
             )
         )
         out.append(URow("  bound: C shared-memory echo, p50", p50, "us", bound=True))
+        for suffix, placement in PY_BOUNDS:
+            label = f"  bound: Python shared-memory echo, {placement}, p50"
+            out.append(URow(label, f"{p50}_{suffix}", "us", bound=True))
         out.append(URow(f"round trip {name}, p99", f"rr_{key}_p99", "us"))
     out += [
         URow(

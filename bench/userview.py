@@ -38,6 +38,8 @@ import _ceiling
 import _rtt_ceiling
 from _usertable import RR_SIZES, Modes, UserResults
 
+RR_KEYS = {size: key for size, _, key, _ in RR_SIZES}
+
 HERE = Path(__file__).resolve().parent
 APP = HERE / "user_app.py"
 TIMEOUT = 300.0
@@ -371,6 +373,10 @@ class UserView:
             bounds = _rtt_ceiling.measure([s for s, *_ in RR_SIZES], p.rr_rounds, p.rr_warmup)
             for size, _, key, _ in RR_SIZES:
                 self.res["bound"][f"rr_{key}_p50"] = bounds[size]
+            py = _rtt_ceiling.measure_python([s for s, *_ in RR_SIZES], p.rr_rounds, p.rr_warmup)
+            for (size, where), p50 in py.items():
+                suffix = "py2" if where == "two CPUs" else "py1"
+                self.res["bound"][f"rr_{RR_KEYS[size]}_p50_{suffix}"] = p50
         except (_ceiling.CeilingError, OSError) as e:
             self.notes.append(f"user view round-trip bound: {e}")
         progress("user view: connections, one at a time")

@@ -141,12 +141,18 @@ USER_ROWS = [
     ("bound: that receiver reading memory", "GB/s", None, "bound"),
     ("round trip 1 B, p50", "us", "<= 0.3x tcp", "cmp"),
     ("bound: C shared-memory echo, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, two CPUs, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, one CPU, p50", "us", None, "bound"),
     ("round trip 1 B, p99", "us", None, "cmp"),
     ("round trip 1 KiB, p50", "us", "<= 0.3x tcp", "cmp"),
     ("bound: C shared-memory echo, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, two CPUs, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, one CPU, p50", "us", None, "bound"),
     ("round trip 1 KiB, p99", "us", None, "cmp"),
     ("round trip 64 KiB, p50", "us", "<= 0.5x tcp", "cmp"),
     ("bound: C shared-memory echo, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, two CPUs, p50", "us", None, "bound"),
+    ("bound: Python shared-memory echo, one CPU, p50", "us", None, "bound"),
     ("round trip 64 KiB, p99", "us", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("connect p50, one at a time", "us", "<= 500 us", "cmp"),
@@ -190,6 +196,9 @@ def _expected_met(key: str, smc: dict, tcp: dict, bound: dict, mode: str) -> str
     factor = {"rr_1b_p50": 0.3, "rr_1k_p50": 0.3, "rr_64k_p50": 0.5}.get(key)
     if factor is not None and factor * t < bound[key]:
         why.append(f"{factor:g}x tcp < bound")
+    for suffix, where in (("py2", "two CPUs"), ("py1", "one CPU")):
+        if factor is not None and factor * t < bound[f"{key}_{suffix}"]:
+            why.append(f"{factor:g}x tcp < Python echo, {where}")
     text = "met" if ok and mode == "smcd" else "NOT met"
     return f"{text} ({'; '.join(why)})" if why else text
 
