@@ -9,9 +9,9 @@ loop, as ``asyncio``'s own socket transport drives a TCP socket, with the same c
   kick once its reader freed room (:meth:`~smc_handoff.channel.Channel.arm_space`): the peer
   kicks only when asked, so a busy stream makes no wakeup syscalls, and a wait is never a
   timer or a poll. The kick is an eventfd write, not a send on the peer link as for a
-  blocking wait: a link send and its drain cost about three times an eventfd's, twice per
-  round trip (see the README's asyncio rows). The link is watched as well, for the peer's
-  hang-up only (no kick is asked for there);
+  blocking wait: a link send and its drain cost several times an eventfd's, twice per round
+  trip (see the README's asyncio rows). The link is watched as well, for the peer's hang-up
+  only (no kick is asked for there);
 * reading: ``data_received`` with one copy out of the peer's ring, or for a
   :class:`asyncio.BufferedProtocol` ``get_buffer``/``buffer_updated`` with one copy straight
   into the protocol's buffer; ``pause_reading``/``resume_reading``; ``eof_received`` after the
