@@ -203,6 +203,7 @@ def two_daemons(logs: Path) -> Iterator[tuple[PrivateSmcd, PrivateSmcd]]:
 
 KERNEL_PNET = (("BENCHA0", "a"), ("BENCHB0", "b"))
 _SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33
+BIND_WAIT = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -273,9 +274,18 @@ def _libc_call(rc: int, what: str) -> None:
 
 
 def kernel_listen(bufsize: int) -> socket.socket:
+    """An AF_SMC listener on the bench port. The previous measurement's AF_SMC listener may
+    still hold the port for a while after its process exited (the kernel releases its TCP
+    listener from a work item, slow under TCG), so EADDRINUSE is retried for a bounded time."""
     sock = _af_smc(bufsize)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    _libc_call(_libc.bind(sock.fileno(), _sockaddr(SERVER, PORT), 16), "bind AF_SMC")
+    deadline = time.monotonic() + BIND_WAIT
+    while _libc.bind(sock.fileno(), _sockaddr(SERVER, PORT), 16) < 0:
+        err = ctypes.get_errno()
+        if err != errno.EADDRINUSE or time.monotonic() > deadline:
+            sock.close()
+            raise OSError(err, f"bind AF_SMC {SERVER}:{PORT}: {os.strerror(err)}")
+        time.sleep(0.2)
     sock.listen(64)
     return sock
 

@@ -110,53 +110,88 @@ struct {
 	__type(value, __u64);
 } smc_synack_sent SEC(".maps");
 
-static __always_inline void smc_option_bytes(__u8 *opt)
+/*
+ * Stack buffers are written in whole 8-byte words. smcd.service holds CAP_BPF and CAP_NET_ADMIN
+ * but not CAP_PERFMON, and without it Linux 6.1's verifier refuses a second store of less than
+ * 8 bytes into a stack slot that already holds a narrower register spill ("attempt to corrupt
+ * spilled pointer on stack", even for plain numbers; newer kernels accept it). clang writes
+ * struct members and byte arrays member by member, so the words are built in registers and
+ * stored once; the empty asm keeps clang from splitting a word back into its halves.
+ */
+static __always_inline __u64 word(__u64 v)
 {
-	opt[0] = TCPOPT_EXP;
-	opt[1] = SMC_OPT_LEN;
-	opt[2] = 0xE2;
-	opt[3] = 0xD4;
-	opt[4] = 0xC3;
-	opt[5] = 0xD9;
+	asm volatile("" : "+r"(v));
+	return v;
+}
+
+/* Two 32-bit members that share one 8-byte word, the first at the lower address. */
+static __always_inline __u64 pair32(__u32 first, __u32 second)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	return word((__u64)second << 32 | first);
+#else
+	return word((__u64)first << 32 | second);
+#endif
+}
+
+/* The option's 6 bytes, zero-padded to a word (the helpers are given 6). */
+union smc_opt {
+	__u8 bytes[8];
+	__u64 word;
+};
+
+static __always_inline void smc_option_bytes(union smc_opt *opt)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	opt->word = word(0x0000D9C3D4E206FEULL); /* fe 06 e2 d4 c3 d9: kind, length, magic */
+#else
+	opt->word = word(0xFE06E2D4C3D90000ULL);
+#endif
 }
 
 /* Does the current packet (flags 0) or the SYN being answered (BPF_LOAD_HDR_OPT_TCP_SYN)
  * carry the SMC option? The search matches kind 254 with the 4-byte magic. */
 static __always_inline int has_smc_option(struct bpf_sock_ops *skops, __u64 flags)
 {
-	__u8 opt[SMC_OPT_LEN];
+	union smc_opt opt;
 
-	smc_option_bytes(opt);
-	return bpf_load_hdr_opt(skops, opt, sizeof(opt), flags) > 0;
+	smc_option_bytes(&opt);
+	return bpf_load_hdr_opt(skops, opt.bytes, SMC_OPT_LEN, flags) > 0;
 }
 
 static __always_inline int listener_registered(struct bpf_sock_ops *skops)
 {
-	struct listener_key key = {};
+	struct listener_key key;
+	__u64 *w = (__u64 *)&key; /* in words: see word() */
 
-	key.netns = bpf_get_netns_cookie(skops);
-	key.port = skops->local_port;
+	w[0] = bpf_get_netns_cookie(skops);
+	w[1] = pair32(skops->local_port, 0); /* port, pad */
 	return bpf_map_lookup_elem(&smc_listeners, &key) != 0;
 }
 
+_Static_assert(sizeof(struct listener_key) == 2 * sizeof(__u64), "listener_key: 2 words");
+_Static_assert(sizeof(struct conn_key) == 7 * sizeof(__u64), "conn_key: 7 words");
+
+/* The members of struct conn_key, word by word (see word()). */
 static __always_inline void fill_conn_key(struct bpf_sock_ops *skops, struct conn_key *key)
 {
-	key->netns = bpf_get_netns_cookie(skops);
-	key->family = skops->family;
-	key->local_port = skops->local_port;
-	key->remote_port = skops->remote_port;
-	if (key->family == AF_INET) {
-		key->local_ip[0] = skops->local_ip4;
-		key->remote_ip[0] = skops->remote_ip4;
+	__u64 *w = (__u64 *)key;
+	__u32 family = skops->family;
+
+	w[0] = bpf_get_netns_cookie(skops);
+	w[1] = pair32(family, skops->local_port);
+	if (family == AF_INET) {
+		w[2] = pair32(skops->remote_port, skops->local_ip4);   /* local_ip[0] */
+		w[3] = word(0);                                         /* local_ip[1], [2] */
+		w[4] = pair32(0, skops->remote_ip4);                    /* local_ip[3], remote_ip[0] */
+		w[5] = word(0);                                         /* remote_ip[1], [2] */
+		w[6] = word(0);                                         /* remote_ip[3], pad */
 	} else {
-		key->local_ip[0] = skops->local_ip6[0];
-		key->local_ip[1] = skops->local_ip6[1];
-		key->local_ip[2] = skops->local_ip6[2];
-		key->local_ip[3] = skops->local_ip6[3];
-		key->remote_ip[0] = skops->remote_ip6[0];
-		key->remote_ip[1] = skops->remote_ip6[1];
-		key->remote_ip[2] = skops->remote_ip6[2];
-		key->remote_ip[3] = skops->remote_ip6[3];
+		w[2] = pair32(skops->remote_port, skops->local_ip6[0]);
+		w[3] = pair32(skops->local_ip6[1], skops->local_ip6[2]);
+		w[4] = pair32(skops->local_ip6[3], skops->remote_ip6[0]);
+		w[5] = pair32(skops->remote_ip6[1], skops->remote_ip6[2]);
+		w[6] = pair32(skops->remote_ip6[3], 0);
 	}
 }
 
@@ -209,20 +244,20 @@ static __always_inline void on_hdr_opt_len(struct bpf_sock_ops *skops)
 static __always_inline void on_write_hdr_opt(struct bpf_sock_ops *skops)
 {
 	__u32 tcp_flags = skops->skb_tcp_flags;
-	__u8 opt[SMC_OPT_LEN];
-	struct conn_key key = {};
+	union smc_opt opt;
+	struct conn_key key;
 	struct smc_sk *st;
 	__u64 now;
 	long err;
 
 	if (!(tcp_flags & TCPHDR_SYN))
 		return;
-	smc_option_bytes(opt);
+	smc_option_bytes(&opt);
 	if (!(tcp_flags & TCPHDR_ACK)) {
 		st = wished(skops);
 		if (!st)
 			return;
-		err = bpf_store_hdr_opt(skops, opt, sizeof(opt), 0);
+		err = bpf_store_hdr_opt(skops, opt.bytes, SMC_OPT_LEN, 0);
 		if (err == 0 || err == -EEXIST)
 			st->flags |= F_SENT;
 		return;
@@ -234,7 +269,7 @@ static __always_inline void on_write_hdr_opt(struct bpf_sock_ops *skops)
 	now = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&smc_synack_sent, &key, &now, BPF_ANY))
 		return;
-	err = bpf_store_hdr_opt(skops, opt, sizeof(opt), 0);
+	err = bpf_store_hdr_opt(skops, opt.bytes, SMC_OPT_LEN, 0);
 	if (err && err != -EEXIST)
 		bpf_map_delete_elem(&smc_synack_sent, &key);
 }
@@ -253,7 +288,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops)
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
-	struct conn_key key = {};
+	struct conn_key key;
 	struct smc_sk *st;
 	__u32 flags;
 
