@@ -9,6 +9,8 @@ what each end learned.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -277,6 +279,21 @@ def test_the_services_capabilities_suffice(bpf_object: Path, cgroup: Path) -> No
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("LOADED ["), r.stdout + r.stderr
+
+
+def test_no_narrow_register_stores_on_the_stack(bpf_object: Path) -> None:
+    """Linux 6.1's verifier, without CAP_PERFMON (which smcd.service does not grant), refuses a
+    second store of less than 8 bytes into a stack slot holding a narrower register spill
+    ("attempt to corrupt spilled pointer on stack"); this host's newer kernel accepts it, so the
+    test above cannot see it. The programs therefore store registers to the stack only as whole
+    words (smc_option.bpf.c, word())."""
+    objdump = shutil.which("llvm-objdump") or shutil.which("llvm-objdump-14")
+    assert objdump, "llvm-objdump is missing (package llvm-14, a dependency of clang)"
+    r = subprocess.run([objdump, "-d", "--no-show-raw-insn", os.fspath(bpf_object)],
+                       capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    assert "smc_sockops" in r.stdout, r.stdout[:2000]
+    narrow = re.findall(r"^\s*\d+:\s*\*\(u(?:8|16|32) \*\)\(r10 - \d+\) = r\d+$", r.stdout, re.M)
+    assert narrow == [], narrow
 
 
 def test_no_cgroup2_and_no_sys_admin_says_where_the_hierarchy_must_come_from(
