@@ -25,6 +25,7 @@ runs: the program never breaks because smcd is absent.
 
 from __future__ import annotations
 
+import _socket as _csocket
 import functools
 import importlib.abc
 import importlib.util
@@ -118,8 +119,16 @@ def take_deferred(conn: Any) -> Registration | None:
         return None
 
 
+# The C socket's plain ints: ``socket.socket.family``/``.type`` convert to enum members, which
+# costs microseconds for a check that runs twice per connect.
+_family_of = _csocket.socket.family.__get__
+_type_of = _csocket.socket.type.__get__
+_IP_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
+_SOCK_STREAM = int(_socket.SOCK_STREAM)
+
+
 def _eligible(sock: _socket.socket) -> bool:
-    return sock.family in (_socket.AF_INET, _socket.AF_INET6) and sock.type == _socket.SOCK_STREAM
+    return _family_of(sock) in _IP_FAMILIES and _type_of(sock) == _SOCK_STREAM
 
 
 class AutoSocket(SmcSocket):
@@ -208,7 +217,7 @@ class AutoSocket(SmcSocket):
 
     def accept(self) -> tuple[_socket.socket, Any]:
         fd, addr = self._accept()  # type: ignore[attr-defined]
-        conn = SmcSocket(self.family, self.type, self.proto, fileno=fd)
+        conn = SmcSocket(_family_of(self), _type_of(self), self.proto, fileno=fd)
         if _socket.getdefaulttimeout() is None and self.gettimeout():
             conn.setblocking(True)
         reg = self._registration

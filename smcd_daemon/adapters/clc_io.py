@@ -66,6 +66,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _DONTWAIT = socket.MSG_DONTWAIT
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _EOF_ERRNOS = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT)
 
@@ -89,9 +90,10 @@ class BorrowedTcp:
     Owns ``fd`` (closed by :meth:`close`). Never changes the descriptor's file status flags.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # proto given: CPython skips its SO_PROTOCOL query (family and type are checked below).
         try:
-            sock = socket.socket(fileno=fd)
+            sock = socket.socket(fileno=fd, proto=0)
         except OSError as e:
             os.close(fd)
             raise BorrowedTcpError(f"the descriptor is not a socket ({e.strerror or e})") from e
@@ -108,16 +110,16 @@ class BorrowedTcp:
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     raise BorrowedTcpError("a listening socket, not a connected one") from None
                 raise
-            self.inode = os.fstat(sock.fileno()).st_ino
+            self.inode = os.fstat(fd).st_ino
         except OSError as e:
             sock.close()
             raise BorrowedTcpError(f"not a connected TCP socket ({e.strerror or e})") from e
         except BorrowedTcpError:
             sock.close()
             raise
-        self.fd = sock.fileno()
-        self._loop = asyncio.get_running_loop()
-        self._watch = fd_watch(self._loop)
+        self.fd = fd
+        self._loop = loop = asyncio.get_running_loop() if loop is None else loop
+        self._watch = fd_watch(loop)
         self._reading = False  # our reader is registered (with the watch)
         self._reader: asyncio.Future[bool] | None = None
 
@@ -173,7 +175,7 @@ class BorrowedTcp:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.sock.recv(n, socket.MSG_PEEK | _DONTWAIT)
+                return self.sock.recv(n, _PEEK)
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError as e:
@@ -293,7 +295,7 @@ async def client_gave_up(tcp: BorrowedTcp, timeout: float) -> bytes | None:
     there we take it out of the stream (the server application must not read it either) and
     return its bytes; else None, and nothing is consumed."""
     try:
-        head = tcp.sock.recv(8, socket.MSG_PEEK | _DONTWAIT)
+        head = tcp.sock.recv(8, _PEEK)
     except OSError:  # nothing there (EAGAIN) or a broken socket: the answer's send decides
         return None
     if len(head) < 8 or head[:4] not in EYECATCHERS or head[4] != ClcType.DECLINE:

@@ -288,7 +288,7 @@ class Handshakes:
         srv = self._srv
         role = ConnRole.CLIENT if isinstance(req, m.Connect) else ConnRole.SERVER
         try:
-            tcp = PairedTcp(fd)
+            tcp = PairedTcp(fd, srv.loop)
         except BorrowedTcpError as e:
             srv.stats.invalid += 1
             warn.warning("bad-tcp", "handoff: %s from %s: %s", req.TYPE.name, client.label, e)
