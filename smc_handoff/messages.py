@@ -435,8 +435,9 @@ def handoff_socket_candidates(env: Mapping[str, str] | None = None) -> list[Path
     remembered per (environment values, uid)."""
     env = os.environ if env is None else env
     override = env.get("SMCD_HANDOFF_SOCKET", "")
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    return list(_candidates(override, xdg, os.getuid()))
+    if override:  # the rest is not looked up (a missing variable costs a KeyError inside get)
+        return list(_candidates(override, "", 0))
+    return list(_candidates("", env.get("XDG_RUNTIME_DIR", ""), os.getuid()))
 
 
 @functools.lru_cache(maxsize=16)
