@@ -66,8 +66,8 @@ SOAK_MINUTES ?= 3
 soak: venv
 	$(VPY) -m tests.soak.soak --minutes $(SOAK_MINUTES)
 
-# smcd SMC-R vs TCP inside the Soft-RoCE VM (bench/smcr_vm.py through the guest test
-# test_smcr_bench, full volumes): one VM boot, then the table the guest wrote.
+# smcd SMC-R vs TCP vs the kernel's SMC-R inside the Soft-RoCE VM (bench/smcr_vm.py via the
+# guest test test_smcr_bench, full volumes): one VM boot, then the table the guest wrote.
 .PHONY: bench-rdma
 BENCH_RDMA_TMP := .cache/bench-rdma
 bench-rdma: venv
