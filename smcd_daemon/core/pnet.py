@@ -15,6 +15,12 @@ knows ``smc_pnet`` gets the same answers from ``smcctl pnet``:
 - ``add`` with both a netdev and an RDMA/ISM device adds both, like ``smc_pnet -a P -I eth -D ib``;
 - ``remove`` by PNETID drops every entry with that PNETID and fails if there is none (-ENOENT);
   ``flush`` drops everything.
+- the kernel keeps one table per network namespace and matches a netdev in its own namespace;
+  here a netdev entry carries ``netns`` (an ``ip netns`` name or an inode in decimal, "" for
+  smcd's own), a netdev is unique per namespace (equal ifnames in two namespaces stay apart), and
+  :meth:`PnetTable.view` answers for one namespace. RDMA/ISM entries have no namespace: smcd opens
+  RDMA devices in shared mode, where every namespace sees them. Whether a named namespace exists
+  is the adapters' question (the table is pure); they store one spelling per namespace.
 
 Deliberate differences from the kernel, each to give the operator a clear answer instead of a
 silent partial result:
@@ -33,7 +39,7 @@ The table is pure data: no netlink, no I/O. Persistence goes through
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +206,35 @@ def validate_ibport(port: object) -> int:
     return port
 
 
+NETNS_NAME_MAX = 255
+"""Longest ``ip netns`` name (a file name in /run/netns)."""
+
+
+def validate_netns(ns: object) -> str:
+    """Return the namespace key of a netdev entry: "" (smcd's own), an ``ip netns`` name, or an
+    inode number in decimal; raise :class:`PnetError` for anything else."""
+    if not isinstance(ns, str):
+        raise PnetError(
+            f"Network namespace {ns!r} is not a string: give an `ip netns` name or an inode.",
+            value=ns,
+        )
+    if ns == "":
+        return ns
+    if ns.isdigit():
+        if int(ns) == 0:
+            raise PnetError("Network namespace inode 0 is not a namespace.", value=ns)
+        return str(int(ns))
+    size = len(ns.encode("utf-8", "surrogatepass"))
+    bad = next((c for c in ns if c in "/\0" or c in _C_SPACE or not c.isprintable()), None)
+    if ns in (".", "..") or size > NETNS_NAME_MAX or bad is not None:
+        raise PnetError(
+            f"Network namespace {ns!r} is not an `ip netns` name: a name has 1 to "
+            f"{NETNS_NAME_MAX} bytes, is not '.' or '..', and has no '/', NUL or blanks.",
+            value=ns,
+        )
+    return ns
+
+
 @dataclass(frozen=True)
 class PnetEntry:
     """One line of the table: a netdev (``ibdev``/``ibport`` None) or an RDMA/ISM device port
@@ -209,34 +244,61 @@ class PnetEntry:
     netdev: str | None
     ibdev: str | None
     ibport: int | None
+    netns: str = ""
+    """The netdev's namespace: an ``ip netns`` name or inode, "" for smcd's own."""
 
     @property
     def is_netdev(self) -> bool:
         return self.netdev is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "pnetid": self.pnetid,
             "netdev": self.netdev,
             "ibdev": self.ibdev,
             "ibport": self.ibport,
         }
+        if self.netns:
+            d["netns"] = self.netns
+        return d
 
     def describe(self) -> str:
         """The device part in words, for messages and logs."""
         if self.netdev is not None:
-            return f"network device {self.netdev!r}"
+            where = f" in network namespace {self.netns!r}" if self.netns else ""
+            return f"network device {self.netdev!r}{where}"
         return f"RDMA/ISM device {self.ibdev!r} port {self.ibport}"
 
 
+class PnetView:
+    """The table as one network namespace sees it (``PnetLookup`` of core.devices): its own
+    netdev entries and every RDMA/ISM entry (shared-mode devices are seen by all namespaces)."""
+
+    def __init__(self, table: PnetTable, keys: Collection[str]) -> None:
+        self._table = table
+        self._keys = frozenset(keys)
+
+    def pnetid_of_netdev(self, name: str) -> str | None:
+        for e in self._table.entries():
+            if e.netdev == name and e.netns in self._keys:
+                return e.pnetid
+        return None
+
+    def pnetid_of_ibport(self, dev: str, port: int) -> str | None:
+        return self._table.pnetid_of_ibport(dev, port)
+
+    def pnetid_of_device(self, dev: str) -> str | None:
+        return self._table.pnetid_of_device(dev)
+
+
 class PnetTable:
-    """The ordered PNET table (the kernel's per-netns list, entries appended at the tail)."""
+    """The ordered PNET table (the kernel's per-netns lists, entries appended at the tail)."""
 
     def __init__(self, entries: Iterable[PnetEntry] = ()) -> None:
         self._entries: list[PnetEntry] = []
         for e in entries:
             if e.netdev is not None:
-                self.add(e.pnetid, netdev=e.netdev)
+                self.add(e.pnetid, netdev=e.netdev, netns=e.netns)
             else:
                 self.add(e.pnetid, ibdev=e.ibdev, ibport=e.ibport if e.ibport is not None else 1)
 
@@ -268,11 +330,21 @@ class PnetTable:
         return tuple(e for e in self._entries if e.pnetid == p)
 
     def pnetid_of_netdev(self, name: str) -> str | None:
-        """The user-defined PNETID of a netdev (``smc_pnet_find_ndev_pnetid_by_table``)."""
+        """The user-defined PNETID of a netdev of smcd's own namespace
+        (``smc_pnet_find_ndev_pnetid_by_table``); another namespace's: :meth:`view`."""
         for e in self._entries:
-            if e.netdev == name:
+            if e.netdev == name and not e.netns:
                 return e.pnetid
         return None
+
+    def view(self, keys: Collection[str]) -> PnetView:
+        """The lookups of one namespace, known by any of ``keys`` (its ``ip netns`` name and its
+        inode in decimal; {""} is smcd's own)."""
+        return PnetView(self, keys)
+
+    def namespaces(self) -> tuple[str, ...]:
+        """The namespaces other than smcd's own that entries name, in table order."""
+        return tuple(dict.fromkeys(e.netns for e in self._entries if e.netns))
 
     def pnetid_of_ibport(self, dev: str, port: int) -> str | None:
         """The user-defined PNETID of one RDMA device port (``smc_pnetid_by_table_ib``)."""
@@ -300,8 +372,10 @@ class PnetTable:
         netdev: str | None = None,
         ibdev: str | None = None,
         ibport: int = 1,
+        netns: str = "",
     ) -> tuple[PnetEntry, ...]:
         """Add a netdev entry, an RDMA/ISM entry, or both; return the entries actually added.
+        ``netns`` is the netdev's namespace (the RDMA/ISM half has none).
 
         Everything is validated before the table changes, so a refused request leaves it as it
         was. Raises :class:`PnetError` (invalid input), :class:`PnetExistsError` (a named device
@@ -320,9 +394,17 @@ class PnetTable:
                 "the RDMA/ISM device it is given with.",
                 value=ibport,
             )
+        ns = validate_netns(netns)
+        if ns and netdev is None:
+            raise PnetError(
+                f"PNET entry for {pid} gives network namespace {ns!r} but no network device: a "
+                "namespace belongs to a network device; RDMA/ISM devices are shared by every "
+                "namespace.",
+                value=netns,
+            )
         wanted: list[PnetEntry] = []
         if netdev is not None:
-            wanted.append(PnetEntry(pid, validate_netdev_name(netdev), None, None))
+            wanted.append(PnetEntry(pid, validate_netdev_name(netdev), None, None, ns))
         if ibdev is not None:
             wanted.append(PnetEntry(pid, None, validate_ibdev_name(ibdev), validate_ibport(ibport)))
 
@@ -351,15 +433,24 @@ class PnetTable:
         self._entries.extend(new)
         return tuple(new)
 
-    def remove(self, pnetid: str) -> int:
-        """Remove every entry with this PNETID; return how many. Raises if there was none."""
+    def remove(self, pnetid: str, netns: str | None = None) -> int:
+        """Remove the entries with this PNETID; return how many. Raises if there was none.
+
+        ``netns`` None: in every namespace; "": smcd's own netdevs and the RDMA/ISM devices (the
+        kernel's table of the caller's namespace); a name or inode: that namespace's netdevs."""
         pid = normalize_pnetid(pnetid)
-        kept = [e for e in self._entries if e.pnetid != pid]
+        ns = None if netns is None else validate_netns(netns)
+
+        def hit(e: PnetEntry) -> bool:
+            return e.pnetid == pid and (ns is None or e.netns == ns)
+
+        kept = [e for e in self._entries if not hit(e)]
         removed = len(self._entries) - len(kept)
         if not removed:
+            where = f" of network namespace {ns!r}" if ns else ""
             raise PnetNotFoundError(
-                f"PNETID {pid} is not in the PNET table: only a PNETID that has entries can be "
-                "removed.",
+                f"PNETID {pid} is not in the PNET table{where}: only a PNETID that has entries "
+                "can be removed.",
                 value=pnetid,
             )
         self._entries = kept
@@ -373,7 +464,7 @@ class PnetTable:
 
     def _find_same_device(self, entry: PnetEntry) -> PnetEntry | None:
         for e in self._entries:
-            if entry.netdev is not None and e.netdev == entry.netdev:
+            if entry.netdev is not None and e.netdev == entry.netdev and e.netns == entry.netns:
                 return e
             if entry.ibdev is not None and e.ibdev == entry.ibdev and e.ibport == entry.ibport:
                 return e
@@ -415,11 +506,11 @@ class PnetTable:
                     "netdev, ibdev and ibport.",
                     value=item,
                 )
-            unknown = set(item) - {"pnetid", "netdev", "ibdev", "ibport"}
+            unknown = set(item) - {"pnetid", "netdev", "ibdev", "ibport", "netns"}
             if unknown:
                 raise PnetError(
                     f"Stored PNET entry {dict(item)!r} has unknown keys {sorted(unknown)}: only "
-                    "pnetid, netdev, ibdev and ibport are allowed.",
+                    "pnetid, netdev, ibdev, ibport and netns are allowed.",
                     value=item,
                 )
             netdev, ibdev = item.get("netdev"), item.get("ibdev")
@@ -436,8 +527,17 @@ class PnetTable:
                         "only RDMA/ISM entries have a port.",
                         value=item,
                     )
-                table.add(item.get("pnetid"), netdev=netdev)  # type: ignore[arg-type]
+                table.add(
+                    item.get("pnetid"),  # type: ignore[arg-type]
+                    netdev=netdev,
+                    netns=item.get("netns", ""),
+                )
             else:
                 port = item.get("ibport", 1)
-                table.add(item.get("pnetid"), ibdev=ibdev, ibport=port)  # type: ignore[arg-type]
+                table.add(
+                    item.get("pnetid"),  # type: ignore[arg-type]
+                    ibdev=ibdev,
+                    ibport=port,
+                    netns=item.get("netns", ""),
+                )
         return table
