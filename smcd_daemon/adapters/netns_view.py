@@ -17,6 +17,11 @@ another namespace:
   :func:`namespace_devices` lists the netdevs of every namespace the daemon knows of (those
   ``ip netns`` names, and those of the processes whose connections and listeners it holds) with
   an rtnetlink dump taken from such a thread; smcd's own namespace is its device inventory.
+* Which PNETID does a connection handed over from another namespace have (SMC-R device choice)?
+  :func:`route_pnet` asks that namespace's kernel for the route's output netdev, follows it to
+  its base device there, and looks it up in that namespace's PNET entries
+  (:meth:`~smcd_daemon.core.pnet.PnetTable.view` with :func:`pnet_keys`). :func:`pnet_netns`
+  checks and spells the namespace an operator gives a PNET entry.
 
 :func:`netns_label` is how records show a namespace other than smcd's ("inode name").
 """
@@ -38,15 +43,20 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from smcd_daemon.adapters.tcp_identity import NetnsId, netns_name
-from smcd_daemon.core.devices import NetDevice
+from smcd_daemon.core.devices import DeviceInventory, NetDevice
+from smcd_daemon.core.pnet import PnetError, PnetTable, validate_netns
 
 __all__ = [
     "NamespaceDevices",
+    "NamespaceRoute",
     "dnat_target",
     "local_in",
     "namespace_devices",
     "netns_label",
     "own_netns",
+    "pnet_keys",
+    "pnet_netns",
+    "route_pnet",
 ]
 
 _CLONE_NEWNET = 0x40000000
@@ -285,3 +295,133 @@ async def namespace_devices(pids: Iterable[int] = ()) -> list[NamespaceDevices]:
     none: list[NamespaceDevices] = []
     found = await _in_own_thread(lambda: _read_all(known), none)
     return sorted(found, key=lambda n: (n.name == "", n.name, n.inode))
+
+
+# -- PNET entries per namespace --------------------------------------------------------------
+
+
+def pnet_keys(ns: NetnsId | None) -> frozenset[str]:
+    """The keys PNET entries may name namespace ``ns`` by: its inode in decimal and its
+    ``ip netns`` name; {""} for smcd's own (or an unknown one, as the kernel's caller netns)."""
+    if ns is None or not ns[0] or ns[0] == own_netns():
+        return frozenset({""})
+    return frozenset(k for k in (str(ns[0]), ns[1]) if k)
+
+
+def _inode_alive(inode: int) -> bool:
+    """Does a process of this host live in network namespace ``inode``?"""
+    with contextlib.suppress(OSError):
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and _ns_inode(pid) == inode:
+                return True
+    return False
+
+
+def pnet_netns(spec: str) -> str:
+    """How a PNET entry names the namespace ``spec`` (an ``ip netns`` name or an inode): ""
+    for smcd's own, else its ``ip netns`` name if it has one, else its inode. Raises
+    :class:`PnetError` for a namespace that does not exist, so an entry never waits for a
+    misspelt one."""
+    key = validate_netns(spec)
+    if not key:
+        return ""
+    own = own_netns()
+    if key.isdigit():
+        ino = int(key)
+        if ino == own:
+            return ""
+        name = netns_name(ino)
+        if name:
+            return name
+        if not _inode_alive(ino):
+            raise PnetError(
+                f"Network namespace {spec!r} is unknown: no process lives in a network namespace "
+                f"with inode {ino} and `ip netns` names none (see `smcctl device show`).",
+                value=spec,
+            )
+        return key
+    try:
+        ino = os.stat(os.path.join(_RUN_NETNS, key)).st_ino
+    except OSError:
+        if key == "host":  # as namespaces.groups spells smcd's own
+            return ""
+        raise PnetError(
+            f"Network namespace {spec!r} is unknown: `ip netns` names no such namespace (no "
+            f"{_RUN_NETNS}/{key}); give an `ip netns` name or an inode.",
+            value=spec,
+        ) from None
+    return "" if ino == own else key
+
+
+@dataclass(frozen=True)
+class NamespaceRoute:
+    """Where a connection of namespace ``netns`` leaves: the route's output netdev there and
+    the PNETID that namespace's entries give it (through its base device, as the kernel does)."""
+
+    netns: NetnsId
+    netdev: NetDevice | None = None
+    pnetid: str | None = None
+    problem: str = ""
+    """Why the namespace could not be asked ("" if it was)."""
+
+
+def _ns_path(ns: NetnsId, pid: int) -> str | None:
+    """A path that opens namespace ``ns``: the process's own link first, else its name."""
+    candidates = ([f"/proc/{pid}/ns/net"] if pid > 0 else []) + (
+        [os.path.join(_RUN_NETNS, ns[1])] if ns[1] else []
+    )
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == ns[0]:
+                return path
+    return None
+
+
+def _route_in(
+    ns: NetnsId, path: str, local: str, peer: str, keys: frozenset[str], pnet: PnetTable
+) -> NamespaceRoute:
+    """In a thread of its own: join the namespace, read its links and the route, resolve."""
+    from pyroute2 import IPRoute
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            return NamespaceRoute(ns, problem=f"cannot join: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+    if _ns_inode("thread-self") != ns[0]:
+        return NamespaceRoute(ns, problem="gone while being read")
+    links = {d.ifindex: d for d in _dump_here()}
+    inv = DeviceInventory(loopback_enabled=False)
+    for link in links.values():
+        inv.apply_link(link)
+    oif: int | None = None
+    with IPRoute() as ipr, contextlib.suppress(Exception):  # no route: by the address below
+        msgs = ipr.route("get", dst=peer, src=local)
+        if msgs and msgs[0]["type"] in (1, 2):  # RTN_UNICAST, RTN_LOCAL
+            oif = msgs[0].get_attr("RTA_OIF")
+    dev = links.get(oif) if oif is not None else None
+    if dev is None or dev.name == "lo":
+        dev = next(
+            (d for d in links.values() if any(str(a.address) == local for a in d.addresses)),
+            None,
+        )
+    if dev is None:
+        return NamespaceRoute(ns, problem=f"no netdev holds {local} or routes to {peer}")
+    return NamespaceRoute(ns, dev, inv.resolve_pnetid(dev.name, pnet.view(keys)))
+
+
+async def route_pnet(
+    ns: NetnsId, pid: int, local: object, peer: object, pnet: PnetTable
+) -> NamespaceRoute:
+    """The output netdev and PNETID of the connection ``local`` → ``peer`` of process ``pid``
+    in namespace ``ns`` (``smc_pnet_find_roce_resource`` in the socket's own namespace)."""
+    path = _ns_path(ns, pid)
+    if path is None:
+        return NamespaceRoute(ns, problem="no path opens the namespace (process gone, no name)")
+    keys = pnet_keys(ns)
+    failed = NamespaceRoute(ns, problem="reading the namespace failed")
+    return await _in_own_thread(
+        lambda: _route_in(ns, path, str(local), str(peer), keys, pnet), failed
+    )

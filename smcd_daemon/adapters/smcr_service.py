@@ -42,6 +42,8 @@ from typing import Any
 
 from smc_handoff.channel import ChannelFds
 from smcd_daemon.adapters.clc_io import BorrowedTcp, drive, peek_proposal
+from smcd_daemon.adapters.netns_view import NamespaceRoute, own_netns, route_pnet
+from smcd_daemon.adapters.tcp_identity import NetnsId
 from smcd_daemon.core import registry as reg
 from smcd_daemon.core.devices import (
     DeviceEvent,
@@ -52,6 +54,7 @@ from smcd_daemon.core.devices import (
     RdmaPort,
 )
 from smcd_daemon.core.eid import EidTable
+from smcd_daemon.core.pnet import PnetTable
 from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import (
     ClientSmcrNegotiation,
@@ -262,18 +265,33 @@ class SmcrService:
         self._unsubscribe = inventory.subscribe(self._on_device)
 
     # ------------------------------------------------------------------ facts
-    def facts_for(self, local: IPAddr, peer: IPAddr, *, rmb_size: int = 0) -> SmcrFacts:
-        """What we offer for a connection from ``local`` to ``peer``."""
-        netdev = self._netdev_for(local, peer)
+    def facts_for(
+        self,
+        local: IPAddr,
+        peer: IPAddr,
+        *,
+        rmb_size: int = 0,
+        where: NamespaceRoute | None = None,
+    ) -> SmcrFacts:
+        """What we offer for a connection from ``local`` to ``peer``; ``where`` is the route
+        and PNETID of a connection from another namespace (#15): its ports are the shared RDMA
+        ports with that PNETID, none without one (that namespace's netdevs are not ours)."""
+        netdev = self._netdev_for(local, peer) if where is None else where.netdev
         ports: tuple[Any, ...] = ()
         prefixes = None
         vlan = 0
         if netdev is not None:
-            found = self.inventory.smcr_ports_for(netdev.name, self.pnet)
+            if where is None:
+                found = self.inventory.smcr_ports_for(netdev.name, self.pnet)
+                vlan = max(self.routing.vlan_id(netdev.name) or 0, 0)
+            elif where.pnetid is not None:
+                found = self.inventory.rdma_ports_by_pnetid(where.pnetid, self.pnet)
+                found = [p for p in found if p.active]
+            else:
+                found = []
             if self.transport.devices is not None:
                 found = [p for p in found if p.device in self.transport.devices]
             ports = tuple(found)
-            vlan = max(self.routing.vlan_id(netdev.name) or 0, 0)
             for a in netdev.addresses:
                 if a.address == local and isinstance(local, ipaddress.IPv4Address):
                     prefixes = IpPrefixes(
@@ -360,16 +378,38 @@ class SmcrService:
         return None
 
     # ------------------------------------------------------------------ handshakes
+    async def _where(
+        self, netns: NetnsId | None, pid: int, local: IPAddr, peer: IPAddr
+    ) -> NamespaceRoute | None:
+        """The route of a connection handed over from another namespace than smcd's, asked in
+        that namespace and matched against its own PNET entries; None for smcd's own."""
+        if netns is None or not netns[0] or netns[0] == own_netns():
+            return None
+        table = self.pnet if isinstance(self.pnet, PnetTable) else PnetTable()
+        where = await route_pnet(netns, pid, local, peer, table)
+        if where.problem:
+            log.info("SMC-R: namespace %s: %s", netns[1] or netns[0], where.problem)
+        return where
+
     async def connect(
-        self, tcp_fd: int, *, rmb_size: int = 0, uid: int = 0, pid: int = 0
+        self,
+        tcp_fd: int,
+        *,
+        rmb_size: int = 0,
+        uid: int = 0,
+        pid: int = 0,
+        netns: NetnsId | None = None,
     ) -> SmcrResult:
         """Client half: ``tcp_fd`` is our own copy of the application's connected socket (it is
-        closed before returning). The caller decided that the peer speaks SMC."""
+        closed before returning). The caller decided that the peer speaks SMC. ``netns`` is
+        the application's network namespace (its netdev and PNET entries are that one's)."""
         tcp = BorrowedTcp(tcp_fd)
         pending = _Pending(self._client_lock)
         try:
             local, peer = _ip(tcp.local), _ip(tcp.peer)
-            neg = ClientSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
+            where = await self._where(netns, pid, local, peer)
+            neg = ClientSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size,
+                                                       where=where),
                                         self.transport)  # fmt: skip
             # as smc_connect_rdma: the Proposal goes out and the Accept comes in unlocked
             outcome = await self._drive(neg, tcp, pending, neg.start())
@@ -379,7 +419,13 @@ class SmcrService:
             tcp.close()
 
     async def accept(
-        self, tcp_fd: int, *, rmb_size: int = 0, uid: int = 0, pid: int = 0
+        self,
+        tcp_fd: int,
+        *,
+        rmb_size: int = 0,
+        uid: int = 0,
+        pid: int = 0,
+        netns: NetnsId | None = None,
     ) -> SmcrResult:
         """Server half: a plain TCP client (no CLC Proposal within ``proposal_wait``) is handed
         back untouched with PEERNOSMC."""
@@ -394,7 +440,9 @@ class SmcrService:
             pending = _Pending(self._server_lock)
             try:
                 local, peer = _ip(tcp.local), _ip(tcp.peer)
-                neg = ServerSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size),
+                where = await self._where(netns, pid, local, peer)
+                neg = ServerSmcrNegotiation(self.facts_for(local, peer, rmb_size=rmb_size,
+                                                           where=where),
                                             self.transport)  # fmt: skip
                 outcome = await self._drive(neg, tcp, pending)
                 return self._finish(outcome, tcp, reg.ConnRole.SERVER, uid, pid)

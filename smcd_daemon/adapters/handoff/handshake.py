@@ -407,9 +407,10 @@ class Handshakes:
         uid, pid = client.uid, cred.pid if cred else 0
         fd = os.dup(tcp.fd)
         try:
+            ns = self._netns(client)  # its netdev and PNET entries are that namespace's (#15)
             if server:
-                return await service.accept(fd, rmb_size=hint, uid=uid, pid=pid)
-            return await service.connect(fd, rmb_size=hint, uid=uid, pid=pid)
+                return await service.accept(fd, rmb_size=hint, uid=uid, pid=pid, netns=ns)
+            return await service.connect(fd, rmb_size=hint, uid=uid, pid=pid, netns=ns)
         except asyncio.CancelledError:
             raise
         except Exception as e:
