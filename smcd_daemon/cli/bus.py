@@ -312,13 +312,21 @@ def register(sub: Any) -> None:
         "  smcctl pnet add NET1 -D mlx5_0 -P 1    (smc_pnet -a NET1 -D mlx5_0 -P 1)\n"
         "  smcctl pnet del NET1                   (smc_pnet -d NET1)\n"
         "  smcctl pnet flush                      (smc_pnet -f)\n"
-        "Changes need root.",
+        "  smcctl pnet add NET2 -I eth1 --netns c1  (eth1 of namespace c1: its SMC-R)\n"
+        "Changes need root. Without --netns an entry is smcd's own namespace's, and 'del'\n"
+        "drops the PNETID in every namespace. RDMA/ISM devices are shared by all namespaces.",
     )
     p.add_argument("action", nargs="?", choices=["show", "add", "del", "flush"])
     p.add_argument("pnetid", nargs="?", metavar="PNETID")
     p.add_argument("-I", "--interface", metavar="ETH", help="network device of the entry")
     p.add_argument("-D", "--ibdevice", metavar="IBDEV", help="RDMA or ISM device of the entry")
     p.add_argument("-P", "--ibport", metavar="PORT", type=int, help="port of IBDEV (1 or 2)")
+    p.add_argument(
+        "--netns",
+        metavar="NS",
+        help="network namespace of ETH (`ip netns` name or inode; default: smcd's own); "
+        "with del/show: only that namespace's entries",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("-a", "--add", metavar="PNETID", help="smc_pnet spelling of add")
     g.add_argument("-d", "--delete", metavar="PNETID", help="smc_pnet spelling of del")
@@ -421,10 +429,16 @@ async def _device(client: SmcdClient, args: argparse.Namespace) -> int:
 
 
 def _pnet_rows(entries: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
-    return [
-        {"pnetid": p, "netdev": nd or None, "ibdev": ib or None, "ibport": port or None}
-        for p, nd, ib, port in entries
-    ]
+    """Rows of ``PnetListNs``/``PnetAddNs`` ``(pnetid, netdev, ibdev, port, netns)``; a row
+    has "netns" only for a netdev of another namespace than smcd's (rows of smcd's own stay as
+    they were before namespaces; RDMA/ISM devices are shared by every namespace)."""
+    rows: list[dict[str, Any]] = []
+    for p, nd, ib, port, ns in entries:
+        row = {"pnetid": p, "netdev": nd or None, "ibdev": ib or None, "ibport": port or None}
+        if ns:
+            row["netns"] = ns
+        rows.append(row)
+    return rows
 
 
 async def _pnet(client: SmcdClient, args: argparse.Namespace) -> int:
@@ -446,29 +460,41 @@ async def _pnet(client: SmcdClient, args: argparse.Namespace) -> int:
     action = action or "show"
     if action != "add" and (args.interface or args.ibdevice or args.ibport is not None):
         raise _usage("pnet: -I, -D and -P belong to 'add'")
+    if action == "flush" and args.netns is not None:
+        raise _usage("pnet flush empties every namespace's entries: it takes no --netns")
+    netns = "" if args.netns in (None, "host") else args.netns
     if action in ("add", "del") and not pnetid:
         raise _usage(f"pnet {action}: give the PNETID")
     if action == "flush" and pnetid:
         raise _usage("pnet flush takes no PNETID")
 
     if action == "show":
-        (entries,) = await client.call("PnetList")
+        (entries,) = await client.call("PnetListNs")
         rows = _pnet_rows(entries)
         if pnetid:
             want = pnetid.strip().upper()
             rows = [r for r in rows if r["pnetid"] == want]
+        if args.netns is not None:  # that namespace's netdevs (smcd's own: and RDMA/ISM)
+            rows = [r for r in rows if r.get("netns", "") == netns]
         if _json(args):
             _print_json(rows)
         elif rows:
+            # the Netns column appears once an entry names another namespace than smcd's
+            per_ns = any("netns" in r for r in rows)
             print(
                 render_table(
-                    ("PNETID", "Net-Dev", "IB-Dev", "IB-Port"),
+                    ("PNETID", "Net-Dev", "IB-Dev", "IB-Port") + (("Netns",) if per_ns else ()),
                     [
                         (
                             r["pnetid"],
                             r["netdev"] or "n/a",
                             r["ibdev"] or "n/a",
                             r["ibport"] if r["ibport"] is not None else 255,
+                        )
+                        + (
+                            (r.get("netns") or ("host" if r["netdev"] else "all"),)
+                            if per_ns
+                            else ()
                         )
                         for r in rows
                     ],
@@ -485,13 +511,19 @@ async def _pnet(client: SmcdClient, args: argparse.Namespace) -> int:
         port = args.ibport if args.ibport is not None else 0
         if not 0 <= port <= 255:
             raise _usage(f"pnet add: port {port} is out of range: the port is 1 or 2")
+        if netns and args.interface is None:
+            raise _usage("pnet add: --netns names the namespace of -I ETH; give -I")
         (added,) = await client.call(
-            "PnetAdd", "sssy", [pnetid, args.interface or "", args.ibdevice or "", port]
+            "PnetAddNs",
+            "sssys",
+            [pnetid, args.interface or "", args.ibdevice or "", port, netns],
         )
         if _json(args):
             _print_json(_pnet_rows(added))
         return 0
-    if action == "del":
+    if action == "del" and args.netns is not None:
+        (n,) = await client.call("PnetRemoveNs", "ss", [pnetid, netns])
+    elif action == "del":
         (n,) = await client.call("PnetRemove", "s", [pnetid])
     else:
         (n,) = await client.call("PnetFlush")

@@ -26,6 +26,7 @@ from dbus_fast.annotations import DBusSignature, DBusStr, DBusUInt32
 from dbus_fast.service import dbus_method, dbus_signal
 
 import smcd_daemon
+from smcd_daemon.adapters.netns_view import pnet_netns
 from smcd_daemon.core.eid import EidError, EidTable
 from smcd_daemon.core.pnet import PnetEntry, PnetError, PnetTable
 from smcd_daemon.core.registry import Stats
@@ -35,9 +36,10 @@ from .bus import BusError, caller_unix_user, current_caller
 from .names import ERROR_ACCESS_DENIED, ERROR_FAILED, ERROR_INVALID, MANAGER_INTERFACE
 from .objects import DeviceObject, RecordInterface, with_properties
 
-__all__ = ["Manager", "ServiceInfo", "pnet_entry_struct"]
+__all__ = ["Manager", "ServiceInfo", "pnet_entry_ns_struct", "pnet_entry_struct"]
 
 PnetStructs = Annotated[list[tuple[str, str, str, int]], DBusSignature("a(sssy)")]
+PnetNsStructs = Annotated[list[tuple[str, str, str, int, str]], DBusSignature("a(sssys)")]
 StrList = Annotated[list[str], DBusSignature("as")]
 StatsOut = Annotated[
     tuple[dict[str, int], list[tuple[int, int, int]]], DBusSignature("a{st}a(utt)")
@@ -67,6 +69,12 @@ class ServiceInfo:
 def pnet_entry_struct(entry: PnetEntry) -> tuple[str, str, str, int]:
     """(PNETID, netdev, RDMA/ISM device, port) with "" and 0 for the absent half."""
     return (entry.pnetid, entry.netdev or "", entry.ibdev or "", entry.ibport or 0)
+
+
+def pnet_entry_ns_struct(entry: PnetEntry) -> tuple[str, str, str, int, str]:
+    """:func:`pnet_entry_struct` and the netdev's namespace ("" for smcd's own, else its
+    ``ip netns`` name or inode)."""
+    return (*pnet_entry_struct(entry), entry.netns)
 
 
 @contextmanager
@@ -144,7 +152,7 @@ class Manager(RecordInterface):
             "Seid": self._eids.seid or "",
             "SeidEnabled": self._eids.seid_enabled,
             "Ueids": list(self._eids.ueids),
-            "PnetEntries": [pnet_entry_struct(e) for e in self._pnet.entries()],
+            "PnetEntries": [pnet_entry_struct(e) for e in self._pnet.entries() if not e.netns],
         }
 
     # -- authorization -----------------------------------------------------------------------
@@ -207,7 +215,45 @@ class Manager(RecordInterface):
 
     @dbus_method(name="PnetList")
     def pnet_list(self) -> PnetStructs:
-        return [pnet_entry_struct(e) for e in self._pnet.entries()]
+        """smcd's own namespace's entries (as the kernel lists the caller's); every namespace's
+        with its namespace: ``PnetListNs``."""
+        return [pnet_entry_struct(e) for e in self._pnet.entries() if not e.netns]
+
+    # The same for every network namespace (#15): the netdev half of an entry belongs to the
+    # namespace named by ``ip netns`` name or inode ("" for smcd's own); one that does not exist
+    # is refused. RDMA/ISM devices are shared by all namespaces, so their half has none.
+
+    @dbus_method(name="PnetAddNs")
+    async def pnet_add_ns(
+        self, pnetid: DBusStr, netdev: DBusStr, ibdev: DBusStr, ibport: PortArg, netns: DBusStr
+    ) -> PnetNsStructs:
+        """``PnetAdd`` with the netdev's network namespace."""
+        await self._authorize("PnetAddNs")
+        with _as_dbus_errors():
+            added = self._pnet.add(
+                pnetid,
+                netdev=netdev or None,
+                ibdev=ibdev or None,
+                ibport=ibport or 1,
+                netns=pnet_netns(netns),
+            )
+        self._done("pnet")
+        return [pnet_entry_ns_struct(e) for e in added]
+
+    @dbus_method(name="PnetRemoveNs")
+    async def pnet_remove_ns(self, pnetid: DBusStr, netns: DBusStr) -> DBusUInt32:
+        """Drop the PNETID's netdev entries of one namespace ("": smcd's own and the RDMA/ISM
+        entries, as the kernel's table of the caller's namespace)."""
+        await self._authorize("PnetRemoveNs")
+        with _as_dbus_errors():
+            n = self._pnet.remove(pnetid, pnet_netns(netns))
+        self._done("pnet")
+        return n
+
+    @dbus_method(name="PnetListNs")
+    def pnet_list_ns(self) -> PnetNsStructs:
+        """Every entry of every namespace, with the namespace."""
+        return [pnet_entry_ns_struct(e) for e in self._pnet.entries()]
 
     # -- UEID / SEID -------------------------------------------------------------------------
 
@@ -316,6 +362,9 @@ _name_args(Manager.pnet_add, "added")
 _name_args(Manager.pnet_remove, "removed")
 _name_args(Manager.pnet_flush, "removed")
 _name_args(Manager.pnet_list, "entries")
+_name_args(Manager.pnet_add_ns, "added")
+_name_args(Manager.pnet_remove_ns, "removed")
+_name_args(Manager.pnet_list_ns, "entries")
 _name_args(Manager.ueid_add, "ueid")
 _name_args(Manager.ueid_remove, "ueid")
 _name_args(Manager.ueid_flush, "removed")

@@ -21,7 +21,7 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property
 
 from smcd_daemon.core.devices import DeviceInventory, LoopbackIsm, NetDevice, RdmaDevice
-from smcd_daemon.core.pnet import PnetTable
+from smcd_daemon.core.pnet import PnetTable, PnetView
 from smcd_daemon.core.registry import Connection, Link, LinkGroup, SmcType
 from smcd_daemon.wire.cursor import Cursor
 
@@ -354,7 +354,9 @@ def device_kind(dev: DeviceRecord) -> str:
     return "ism"
 
 
-def device_values(dev: DeviceRecord, inventory: DeviceInventory, pnet: PnetTable) -> dict[str, Any]:
+def device_values(
+    dev: DeviceRecord, inventory: DeviceInventory, pnet: PnetTable | PnetView
+) -> dict[str, Any]:
     values = dict(_EMPTY_DEVICE, Name=dev.name, Kind=device_kind(dev))
     if isinstance(dev, NetDevice):
         values.update(

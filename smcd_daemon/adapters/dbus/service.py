@@ -22,7 +22,7 @@ from typing import Any
 from dbus_fast import DBusError, NameFlag, RequestNameReply
 from dbus_fast.aio import MessageBus
 
-from smcd_daemon.adapters.netns_view import namespace_devices, own_netns
+from smcd_daemon.adapters.netns_view import namespace_devices, own_netns, pnet_keys
 from smcd_daemon.core.devices import (
     DeviceEvent,
     DeviceInventory,
@@ -302,9 +302,13 @@ class DbusService:
         mine = [dict(self._objects[p].values) for p in self._device_paths.values()]
         rows: list[NamespaceRow] = [(own_netns(), "host", True, mine, "")]
         pids = {c.pid for c in self.registry.connections() if c.pid}
-        no_pnet = PnetTable()  # another namespace's netdevs are not in smcd's PNET table
         for ns in await namespace_devices(pids):
-            devices = [device_values(nd, self.inventory, no_pnet) for nd in ns.netdevs]
+            # that namespace's netdevs, base devices and PNET entries (#15), not smcd's
+            inv = DeviceInventory(loopback_enabled=False)
+            for nd in ns.netdevs:
+                inv.apply_link(nd)
+            view = self.pnet.view(pnet_keys((ns.inode, ns.name)))
+            devices = [device_values(nd, inv, view) for nd in ns.netdevs]
             rows.append((ns.inode, ns.name, False, devices, ns.problem))
         return rows
 
