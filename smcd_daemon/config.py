@@ -53,6 +53,8 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     StrictBool,
+    StrictInt,
+    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -62,6 +64,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from smcd_daemon.core.eid import SMC_CLC_MAX_UEID, EidError, normalize_ueid
+from smcd_daemon.core.pnet import PnetError, PnetTable
 from smcd_daemon.errors import SmcError
 
 __all__ = [
@@ -494,6 +497,17 @@ class NamespacesConfig(_Section):
     )
 
 
+class PnetEntryConfig(_Section):
+    """One PNET entry (``smc_pnet -a PNETID -I netdev -D ibdev -P port``) and the network
+    namespace of its netdev (#15); checked as a whole by :meth:`Config._pnet_table`."""
+
+    pnetid: StrictStr
+    netdev: StrictStr = ""
+    ibdev: StrictStr = ""
+    ibport: StrictInt = 1
+    netns: StrictStr = ""
+
+
 class Config(_Section):
     """The whole configuration (frozen: a reload builds a new one)."""
 
@@ -517,6 +531,12 @@ class Config(_Section):
     )
     # Off in the embedded default, on in the shipped file (SYSTEM_PATHS says why).
     peer_detection: StrictBool = _doc("must be true or false", default=False)
+    pnet: tuple[PnetEntryConfig, ...] = _doc(
+        "must be a list of PNET entries {pnetid, netdev and/or ibdev, ibport 1 or 2, netns (the "
+        "netdev's `ip netns` name or inode; default smcd's own)} by smc_pnet's rules, each device "
+        "once per namespace",
+        default=(),
+    )
     dbus: DbusConfig = _doc("must be a table", default_factory=DbusConfig)
     eid: EidConfig = _doc("must be a table", default_factory=EidConfig)
     buffers: BuffersConfig = _doc("must be a table", default_factory=BuffersConfig)
@@ -546,6 +566,25 @@ class Config(_Section):
         elif isinstance(data["dbus"], Mapping) and "bus" not in data["dbus"]:
             data["dbus"] = {**data["dbus"], "bus": default_bus(env)}
         return data
+
+    @field_validator("pnet", mode="after")
+    @classmethod
+    def _pnet_table(cls, v: tuple[PnetEntryConfig, ...]) -> tuple[PnetEntryConfig, ...]:
+        """The entries must make a valid table (a device named twice in one namespace is an
+        error, as ``smc_pnet -a`` answers it); whether a namespace exists is asked at start."""
+        table = PnetTable()
+        for i, e in enumerate(v):
+            try:
+                table.add(
+                    e.pnetid,
+                    netdev=e.netdev or None,
+                    ibdev=e.ibdev or None,
+                    ibport=e.ibport,
+                    netns=e.netns,
+                )
+            except PnetError as err:
+                raise _fail(f"entry {i + 1}: {err}") from None
+        return v
 
     @field_validator("handoff_socket", mode="after")
     @classmethod

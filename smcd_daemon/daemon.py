@@ -44,6 +44,7 @@ from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.dbus import BUS_NAME, BusError, DbusService, ServiceInfo, connect
 from smcd_daemon.adapters.handoff import HandoffServer
 from smcd_daemon.adapters.netlink import NetlinkWatcher
+from smcd_daemon.adapters.netns_view import pnet_netns
 from smcd_daemon.adapters.verbs import RdmaWatcher
 from smcd_daemon.config import (
     Config,
@@ -62,7 +63,7 @@ from smcd_daemon.core.persist import (
     control_state_dict,
     load_control_state,
 )
-from smcd_daemon.core.pnet import PnetTable
+from smcd_daemon.core.pnet import PnetError, PnetTable
 from smcd_daemon.core.registry import Registry
 from smcd_daemon.errors import SmcError
 
@@ -367,6 +368,7 @@ class Daemon:
         self.bus_address = ""
         self._bus: Any = None
         self._config_ueids: tuple[str, ...] = ()
+        self._config_pnet: list[dict[str, Any]] = []
         self._stop = asyncio.Event()
         self._exit = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -416,6 +418,7 @@ class Daemon:
             raise StartupError(str(e)) from e
         self.pnet, self.eids = state.pnet, state.eids
         self._apply_config_ueids((), cfg.eid.ueids)
+        self._apply_config_pnet(cfg)
         log.info(
             "state from %s: %d PNET entries, UEIDs %s",
             self.store.path,
@@ -642,6 +645,8 @@ class Daemon:
         assert self.pnet is not None and self.eids is not None
         data = control_state_dict(self.pnet, self.eids)
         data["eid"]["ueids"] = [u for u in data["eid"]["ueids"] if u not in self._config_ueids]
+        kept = data["pnet"]["entries"]
+        data["pnet"]["entries"] = [e for e in kept if e not in self._config_pnet]
         return data
 
     def save_state(self) -> None:
@@ -655,6 +660,24 @@ class Daemon:
                 log.error("%s changed but could not be saved: %s", kind, e)
                 raise
             log.info("%s changed; state saved to %s", kind, self.store.path)
+
+    def _apply_config_pnet(self, cfg: Config) -> None:
+        """The configuration's PNET entries (#15), each netdev in its namespace; like its UEIDs
+        they belong to the file and are not saved. One that cannot be added is logged."""
+        assert self.pnet is not None
+        for e in cfg.pnet:
+            try:
+                added = self.pnet.add(
+                    e.pnetid,
+                    netdev=e.netdev or None,
+                    ibdev=e.ibdev or None,
+                    ibport=e.ibport,
+                    netns=pnet_netns(e.netns),
+                )
+            except PnetError as err:
+                log.warning("PNET entry %s from the configuration not added: %s", e.pnetid, err)
+                continue
+            self._config_pnet.extend(a.to_dict() for a in added)
 
     def _apply_config_ueids(self, old: Sequence[str], new: Sequence[str]) -> None:
         assert self.eids is not None

@@ -191,8 +191,8 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
         (
             "x = 1\n",
             "x = 1: unknown key 'x'; known keys: runtime_dir, handoff_socket, state_dir, "
-            "log_level, peers, peer_detection, dbus, eid, buffers, quota, limits, timeouts, modes, "
-            "smcr, namespaces",
+            "log_level, peers, peer_detection, pnet, dbus, eid, buffers, quota, limits, timeouts, "
+            "modes, smcr, namespaces",
         ),
         (
             "[timeouts]\nclc = 3\n",
