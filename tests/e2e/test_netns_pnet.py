@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -190,3 +191,32 @@ def test_selection_uses_the_connections_namespace(twins: dict[str, int]) -> None
     with pytest.raises(PnetError, match="is unknown"):
         pnet_netns(f"{PREFIX}gone")
     assert pnet_netns(str(os.stat("/proc/self/ns/net").st_ino)) == ""  # smcd's own
+
+
+def test_config_entries_added_at_start_in_their_namespace(
+    clean: Smcd, twins: dict[str, int]
+) -> None:
+    """``[[pnet]]`` entries of the configuration: added at start with their namespace (an
+    unknown one logged with the reason, the others kept), and not saved to the state file
+    (they belong to the file), while an entry added with smcctl is."""
+    smcd = clean
+    smcd.stop()
+    smcd.write_config(
+        f'[[pnet]]\npnetid = "NETC"\nnetdev = "eth1"\nnetns = "{X}"\n'
+        f'[[pnet]]\npnetid = "NETU"\nnetdev = "eth1"\nnetns = "{PREFIX}nosuch"\n'
+    )
+    try:
+        smcd.start()
+        rows = smcd.smcctl_json("pnet", "show")
+        assert rows == [
+            {"pnetid": "NETC", "netdev": "eth1", "ibdev": None, "ibport": None, "netns": X}
+        ], rows
+        assert "PNET entry NETU from the configuration not added" in smcd.log()
+        assert "is unknown" in smcd.log()
+        _ok(smcd, "pnet", "add", "NETY", "-I", "eth1", "--netns", Y)
+        saved = json.loads((smcd.work / "state" / "state.json").read_text())
+        assert [e["pnetid"] for e in saved["pnet"]["entries"]] == ["NETY"], saved
+    finally:
+        smcd.stop()
+        smcd.write_config()
+        smcd.start()
