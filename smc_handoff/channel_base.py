@@ -623,29 +623,36 @@ class ChannelBase:
             self._stop_fast()
         return True
 
+    @property
+    def mode_name(self) -> str:
+        """``"SMC-R"`` or ``"SMC-D"``, for error messages: an SMC-R channel maps RMBE + 32 bytes,
+        never a DMB size (:data:`layout.SMCR_CHANNEL_SIZES`), so the size tells the mode."""
+        return "SMC-R" if self._rx_size in layout.SMCR_CHANNEL_SIZES else "SMC-D"
+
     def _protocol_violation(self, what: str) -> None:
         self._violation = what
         self._dead = True
         self._stop_fast()
         self.abort()
-        raise ConnectionResetError(errno.ECONNRESET, f"SMC-D channel: {what}")
+        raise ConnectionResetError(errno.ECONNRESET, f"{self.mode_name} channel: {what}")
 
     def _raise_reset(self) -> None:
         self._check_open()
+        mode = self.mode_name
         if self._violation:
-            raise ConnectionResetError(errno.ECONNRESET, f"SMC-D channel: {self._violation}")
+            raise ConnectionResetError(errno.ECONNRESET, f"{mode} channel: {self._violation}")
         if self._peer_died:
-            raise ConnectionResetError(errno.ECONNRESET, "SMC-D peer died (peer link closed)")
+            raise ConnectionResetError(errno.ECONNRESET, f"{mode} peer died (peer link closed)")
         if self._local_abort:
-            raise ConnectionResetError(errno.ECONNRESET, "SMC-D connection aborted locally")
+            raise ConnectionResetError(errno.ECONNRESET, f"{mode} connection aborted locally")
         if self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT & PEER_CONN_ABORT:
-            raise ConnectionResetError(errno.ECONNRESET, "SMC-D connection aborted by peer")
-        raise ConnectionResetError(errno.ECONNRESET, "SMC-D peer has closed the connection")
+            raise ConnectionResetError(errno.ECONNRESET, f"{mode} connection aborted by peer")
+        raise ConnectionResetError(errno.ECONNRESET, f"{mode} peer has closed the connection")
 
     def _raise_closed_or_pipe(self) -> None:
         self._check_open()
-        raise BrokenPipeError(errno.EPIPE, "SMC-D channel: shut down for writing")
+        raise BrokenPipeError(errno.EPIPE, f"{self.mode_name} channel: shut down for writing")
 
     def _check_open(self) -> None:
         if self._closed:
-            raise OSError(errno.EBADF, "SMC-D channel is closed")
+            raise OSError(errno.EBADF, f"{self.mode_name} channel is closed")
