@@ -133,7 +133,7 @@ def test_device_show_lists_devices_per_namespace(smcd: Smcd, namespaces: list[st
         dev = by_ns[_inode(a)]["h3nsdev"]
         assert dev["Netns"] == f"{_inode(a)} {a}" and dev["Kind"] == "netdev", dev
         assert dev["LinkKind"] == "veth" and ["203.0.113.7", 24] in dev["Addresses"], dev
-        assert dev["PnetId"] == "", dev  # smcd's PNET table is its own namespace's
+        assert dev["PnetId"] == "", dev  # no PNET entry names this namespace
         assert set(by_ns[_inode(b)]) == {"lo", "h3peer"}, by_ns[_inode(b)]
         # the namespace nobody named: known by the listener's process, shown by its inode
         assert set(by_ns[hidden]) == {"lo"} and by_ns[hidden]["lo"]["Netns"] == str(hidden)
