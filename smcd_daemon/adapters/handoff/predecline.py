@@ -16,13 +16,19 @@ every fallback it decides before the Proposal (a refusal at the gate, admission,
 - server half (:func:`decline_proposal`): wait for the client's Proposal, take it off the
   stream and answer it with the Decline; a client that declined first has its Decline taken off
   instead (PEERDECL). A client that sends no CLC at all within the wait leaves the stream
-  untouched. A Proposal is due (:func:`proposal_due`) from a client whose SYN carried the option
-  (wait: the CLC timer) and from one whose address is in the configuration's ``peers``: its
-  daemon proposes whether or not peer detection runs on either side (wait: ``proposal_wait``,
-  the handshake's own wait for such a client; one that proposes later still is answered by the
-  library's first read, ``smc_handoff.handoff.answer_late_proposal``). Without this a refused
-  server half (cap, admission, gate) would hand its application a stream whose first bytes are
-  the peer daemon's Proposal (#14).
+  untouched. A Proposal is due (:func:`proposal_due`) from a client whose SYN carried the option,
+  whatever its address (a kernel AF_SMC client on this host, or in a VM sharing init_net, is
+  declined as the kernel's ``smc_listen_work`` would: not answered by a reset), and from one
+  whose address is in the configuration's ``peers``: its daemon proposes whether or not peer
+  detection runs on either side. The wait: the CLC timer for a remote client that showed the
+  option; ``proposal_wait`` (the handshake's own wait for a Proposal not known to be coming) for
+  a configured peer and for a same-host client. A same-host client may be this daemon's own
+  client half, which sends nothing when it learns that its server half fell back
+  (:mod:`.arrivals`), or declines first when it is refused itself (:func:`refused_connect`: the
+  wait ends on that Decline); a kernel client proposes right after its TCP handshake. One that
+  proposes after the wait is answered by the library's first read
+  (``smc_handoff.handoff.answer_late_proposal``). Without this a refused server half (cap,
+  admission, gate) would hand its application a stream whose first bytes are a Proposal (#14).
 """
 
 from __future__ import annotations
@@ -117,21 +123,23 @@ async def decline_proposal(
 
 def proposal_due(srv: HandoffServer, fd: int, peer: str) -> float | None:
     """A refused server half on ``fd`` (its client at ``peer``): how long to wait for the
-    client's Proposal, or None when none is due (see the module docstring). A same-host client
-    is this daemon's own client half, which falls back without a byte when its server half did
-    (:mod:`.arrivals`)."""
+    client's CLC, or None when none is due (see the module docstring). A client whose SYN
+    carried the option sends CLC wherever it is; one on this host without it is this daemon's
+    own client half (or no SMC client at all), which falls back without a byte when its server
+    half did (:mod:`.arrivals`)."""
     detected = srv.detection.peer(fd) is True
     try:
         ip = ipaddress.ip_address(peer)
     except ValueError:
-        return None
-    if ip.version == 6 and ip.ipv4_mapped is not None:  # a v6 socket's IPv4 client
+        ip = None
+    if ip is not None and ip.version == 6 and ip.ipv4_mapped is not None:  # a v6 IPv4 client
         ip = ip.ipv4_mapped
-    if not detected and not any(ip.version == n.version and ip in n for n in srv.cfg.peers):
+    local = ip is None or srv.local_addresses.is_local(ip)
+    if detected:  # as the kernel's smc_listen_work: syn_smc means CLC follows
+        return srv.cfg.timeouts.proposal_wait if local else srv.cfg.timeouts.clc_wait
+    if ip is None or local or not any(ip.version == n.version and ip in n for n in srv.cfg.peers):
         return None
-    if srv.local_addresses.is_local(ip):
-        return None
-    return srv.cfg.timeouts.clc_wait if detected else srv.cfg.timeouts.proposal_wait
+    return srv.cfg.timeouts.proposal_wait
 
 
 async def refused(

@@ -1,0 +1,190 @@
+"""A refused server half whose client is on the same host and showed the SMC TCP option.
+
+One smcd "host" (namespace B) with peer detection, whose server application's LISTEN fills its
+one handoff connection (``limits.connections_per_user = 1``), so every ACCEPT is refused at the
+gate. A client on the same host whose SYN carried the option sends CLC, as the kernel's
+``smc_listen_work`` expects whatever the address (a kernel AF_SMC client on this host, or in the
+Soft-RoCE VM where both "hosts" share init_net):
+
+- a kernel-like client (a raw socket marked by ``smc_handoff.peer_option`` that proposes right
+  after its TCP handshake) gets a Decline carrying the refusal's code (MAX_DMB), not a reset or
+  the library's NOSMCDEV, and the server application reads exactly the client's bytes;
+- smcd's own client half, refused too (same user, same cap), declines first: the refused
+  server half takes that Decline off the stream (PEERDECL) at once — a server that speaks first
+  is not held back by any CLC timer — and both applications see only each other's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smc_handoff import peer_option
+from smcd_daemon.wire.clc import Decline, Proposal, SmcType, V2Extension, decode
+from smcd_daemon.wire.reasons import DeclineReason
+from tests.bpf import test_daemon_detection as dd
+from tests.bpf.conftest import ADDR_B, Net
+from tests.bpf.test_daemon_detection import PROPOSAL_WAIT, PYTHON, Host, start_host
+
+pytestmark = pytest.mark.timeout(300)
+cg_seen = dd.cg_seen  # the fixture: the test cgroup as a daemon in a namespace sees it
+
+DATA = b"only the client's own bytes\x00\xe2\xd4\xc3\xd9 (CLC-looking bytes later are data)"
+BANNER = b"220 hello\n"
+
+SERVER_APP = r"""
+import json, sys, time, smc_handoff
+srv = smc_handoff.listen((sys.argv[1], 0))
+print("PORT", srv.getsockname()[1], flush=True)
+c, _ = srv.accept()
+t0 = time.monotonic()
+c.settimeout(30)
+c.sendall(sys.argv[2].encode())  # a server that speaks first
+data = b""
+while chunk := c.recv(65536):
+    data += chunk
+fb = c.fallback
+print("CONN " + json.dumps({
+    "mode": c.mode, "data": data.hex(), "name": fb.name if fb else None,
+    "why": fb.explanation if fb else None, "after_decline": fb.after_decline if fb else None,
+}), flush=True)
+c.close()
+"""
+
+CLIENT_APP = r"""
+import json, sys, time, smc_handoff
+t0 = time.monotonic()
+s = smc_handoff.connect((sys.argv[1], int(sys.argv[2])), timeout=30)
+want = sys.argv[3].encode()
+got = b""
+while len(got) < len(want):
+    chunk = s.recv(100)
+    if not chunk:
+        break
+    got += chunk
+banner_s = time.monotonic() - t0
+s.sendall(bytes.fromhex(sys.argv[4]))
+s.shutdown(1)
+tail = s.recv(100)
+fb = s.fallback
+print("CLIENT " + json.dumps({
+    "banner": got.hex(), "banner_s": banner_s, "tail": tail.hex(), "mode": s.mode,
+    "name": fb.name if fb else None, "why": fb.explanation if fb else None,
+    "after_decline": fb.after_decline if fb else None,
+}), flush=True)
+s.close()
+"""
+
+
+@pytest.fixture
+def capped(bpf_object: Path, cg_seen: Path, net: Net) -> Iterator[Host]:
+    """B alone: detection on, one handoff connection per user (the LISTEN holds it)."""
+    host = start_host(net, net.ns_b, "b", cg_seen, "[limits]\nconnections_per_user = 1\n")
+    try:
+        yield host
+    finally:
+        if host.proc.alive():
+            host.proc.stop()
+
+
+def server_app(host: Host) -> tuple[subprocess.Popen[str], int]:
+    argv = ["ip", "netns", "exec", host.ns, os.fspath(PYTHON), "-c", SERVER_APP, ADDR_B,
+            BANNER.decode()]  # fmt: skip
+    app = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=host.env)  # fmt: skip
+    assert app.stdout is not None
+    first = app.stdout.readline()
+    assert first.startswith("PORT "), (first, app.communicate(timeout=10))
+    return app, int(first.split()[1])
+
+
+def report(app: subprocess.Popen[str], tag: str) -> dict[str, Any]:
+    out, err = app.communicate(timeout=60)
+    assert app.returncode == 0, err
+    (row,) = [json.loads(ln[len(tag) + 1 :]) for ln in out.splitlines() if ln.startswith(tag)]
+    return row  # type: ignore[no-any-return]
+
+
+def _proposal() -> bytes:
+    """A v2 SMC-D/SMC-R Proposal as a kernel client sends one (its contents do not matter)."""
+    return Proposal(
+        typev1=SmcType.N, typev2=SmcType.R, version=2, peer_id=bytes(8), gid=bytes(16),
+        mac=bytes(6), v2_ext=V2Extension(eids=("SMCD-BPF-E2E",), release=1, roce_gid=bytes(16)),
+    ).encode()  # fmt: skip
+
+
+def test_same_host_client_with_the_option_gets_a_decline(capped: Host, net: Net) -> None:
+    app, port = server_app(capped)
+    try:
+        s = net.socket(net.ns_b)  # same host as the server
+        s.settimeout(20)
+        assert peer_option.request_option(s) is True  # the detector took the mark
+        t0 = time.monotonic()
+        s.connect((ADDR_B, port))
+        s.sendall(_proposal())  # as the kernel's smc_connect_work: right after the handshake
+        answer = b""
+        while len(answer) < 8 or len(answer) < int.from_bytes(answer[5:7], "big"):
+            chunk = s.recv(200)
+            assert chunk, f"EOF after {answer.hex()}: {capped.proc.log()[-3000:]}"
+            answer += chunk
+        declined_s = time.monotonic() - t0
+        length = int.from_bytes(answer[5:7], "big")
+        msg = decode(answer[:length])
+        assert isinstance(msg, Decline), answer.hex()
+        assert msg.diagnosis == DeclineReason.MAX_DMB, (hex(msg.diagnosis), capped.proc.log())
+        rest = answer[length:]
+        while len(rest) < len(BANNER):  # then the server application's own first bytes
+            chunk = s.recv(100)
+            assert chunk, rest
+            rest += chunk
+        assert rest == BANNER, rest
+        s.sendall(DATA)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(100) == b""
+        s.close()
+        got = report(app, "CONN")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    assert declined_s < PROPOSAL_WAIT, declined_s  # answered, not timed out
+    assert bytes.fromhex(got["data"]) == DATA, got
+    assert got["mode"] == "tcp" and got["name"] == "SMC_CLC_DECL_MAX_DMB", got
+    assert "declined the Proposal" in got["why"] and got["after_decline"], got
+    assert "limits.connections_per_user" in got["why"], got
+
+
+def test_own_client_half_refused_too_declines_and_the_server_half_takes_it(
+    capped: Host, net: Net
+) -> None:
+    app, port = server_app(capped)
+    try:
+        argv = ["ip", "netns", "exec", capped.ns, os.fspath(PYTHON), "-c", CLIENT_APP, ADDR_B,
+                str(port), BANNER.decode(), DATA.hex()]  # fmt: skip
+        cli = subprocess.run(argv, capture_output=True, text=True, env=capped.env, timeout=120)
+        assert cli.returncode == 0, cli.stderr
+        (line,) = [ln for ln in cli.stdout.splitlines() if ln.startswith("CLIENT ")]
+        client = json.loads(line[len("CLIENT ") :])
+        got = report(app, "CONN")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    log = capped.proc.log()
+    # the client half was refused at the gate toward a listener that showed the option:
+    # it declined first and handed its application the stream after that Decline
+    assert client["name"] == "SMC_CLC_DECL_MAX_DMB" and client["after_decline"], client
+    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
+    # the refused server half read that Decline (not a Proposal) and ended at once
+    assert got["name"] == "SMC_CLC_DECL_PEERDECL", (got, log[-3000:])
+    assert got["after_decline"], got
+    assert bytes.fromhex(got["data"]) == DATA, got
+    assert client["banner_s"] < PROPOSAL_WAIT / 2, (client, log[-3000:])
