@@ -17,9 +17,12 @@ falls back: the peer consumes it and falls back too, and the stream stays clean.
 
 from __future__ import annotations
 
+import _socket as _csocket
+import errno
 import os
 import socket as _socket
 import struct
+import time
 from typing import Any
 
 __all__ = [
@@ -42,16 +45,39 @@ _DECLINE = 4  # CLC message type
 _OS_LINUX = 2  # SMC_CLC_OS_LINUX
 
 
+# The C socket's plain ints (as smc_handoff.run): ``socket.socket.family``/``.type`` build enum
+# members on every call, and this check runs on every connect.
+_family_of = _csocket.socket.family.__get__
+_type_of = _csocket.socket.type.__get__
+_IP_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
+_SOCK_STREAM = int(_socket.SOCK_STREAM)
+_setsockopt = _csocket.socket.setsockopt
+
+NO_DETECTOR_TTL = 1.0
+"""Seconds a process skips the request after the kernel said ENOPROTOOPT (no detector loaded):
+a failing setsockopt and its exception on every connect cost more than the connect's own
+bookkeeping. Short, as smcd may load its detector at any time (a restart); a socket left
+unmarked meanwhile is one whose SYN went out before the detector anyway: the daemon treats it
+as it treats every connection without detection (its ``peers``)."""
+_no_detector_until = 0.0
+
+
 def request_option(sock: _socket.socket) -> bool:
     """Mark ``sock`` (TCP, not yet connected); True if a detector took the request. Never
-    raises: ENOPROTOOPT (no detector), EPERM (not an unconnected TCP socket) or anything else
-    leave the socket as it was."""
-    if sock.family not in (_socket.AF_INET, _socket.AF_INET6) or sock.type != _socket.SOCK_STREAM:
+    raises: ENOPROTOOPT (no detector, remembered for :data:`NO_DETECTOR_TTL`), EPERM (not an
+    unconnected TCP socket) or anything else leave the socket as it was."""
+    global _no_detector_until
+    if _family_of(sock) not in _IP_FAMILIES or _type_of(sock) != _SOCK_STREAM:
+        return False
+    if _no_detector_until and time.monotonic() < _no_detector_until:
         return False
     try:
-        sock.setsockopt(SOL_SMCD, SMCD_OPT_WANT, 1)
-    except OSError:
+        _setsockopt(sock, SOL_SMCD, SMCD_OPT_WANT, 1)
+    except OSError as e:
+        if e.errno == errno.ENOPROTOOPT:
+            _no_detector_until = time.monotonic() + NO_DETECTOR_TTL
         return False
+    _no_detector_until = 0.0
     return True
 
 
