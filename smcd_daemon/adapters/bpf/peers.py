@@ -18,7 +18,12 @@ import logging
 import os
 import socket
 
-from smcd_daemon.adapters.bpf.detector import DetectionUnavailable, Detector, ListenerMark
+from smcd_daemon.adapters.bpf.detector import (
+    DetectionUnavailable,
+    Detector,
+    ListenerMark,
+    netns_cookie,
+)
 from smcd_daemon.errors import SmcError
 
 __all__ = ["PURGE_INTERVAL", "PeerDetection"]
@@ -37,6 +42,9 @@ class PeerDetection:
         self.reason = reason  # why there is no detector ("" when there is one)
         self._marks: dict[int, ListenerMark] = {}  # listener ident -> its mark
         self._ports: dict[tuple[int, int], int] = {}  # (netns, port) -> listeners holding it
+        # (netns, port) -> unarmed listeners holding it: listeners created before the programs
+        # were attached (e.g. the one whose LISTEN started a socket-activated smcd)
+        self._unarmed: dict[tuple[int, int], int] = {}
         self.errors = 0
 
     @classmethod
@@ -92,6 +100,22 @@ class PeerDetection:
             log.warning("peer detection: reading socket %d: %s", fd, e)
             return None
 
+    def peer_of_accepted(self, fd: int) -> bool | None:
+        """:meth:`peer` for a socket accepted by a registered listener. The child of a listener
+        that predates the programs records that its SYN-ACK carried no option, which says nothing
+        of the client's SYN: detection knows nothing there (None), so decide as without it."""
+        seen = self.peer(fd)
+        if seen is not False or not self._unarmed:
+            return seen
+        sock = socket.socket(fileno=fd)
+        try:
+            key = (netns_cookie(sock), sock.getsockname()[1])
+        except OSError:
+            return seen
+        finally:
+            sock.detach()
+        return None if key in self._unarmed else seen
+
     def mark_listener(self, sock: socket.socket, ident_hint: str = "") -> ListenerMark | None:
         """Register a listening socket (its SYN-ACKs then answer a marked SYN)."""
         det = self.detector
@@ -116,6 +140,8 @@ class PeerDetection:
         self._marks[ident] = mark
         key = (mark.netns, mark.port)
         self._ports[key] = self._ports.get(key, 0) + 1
+        if not mark.armed:
+            self._unarmed[key] = self._unarmed.get(key, 0) + 1
 
     def forget(self, ident: int) -> None:
         """The listener ``ident`` is gone: unregister its port once no listener holds it."""
@@ -123,6 +149,11 @@ class PeerDetection:
         if mark is None:
             return
         key = (mark.netns, mark.port)
+        if not mark.armed:
+            if self._unarmed.get(key, 1) > 1:
+                self._unarmed[key] -= 1
+            else:
+                self._unarmed.pop(key, None)
         left = self._ports.get(key, 1) - 1
         if left > 0:
             self._ports[key] = left
@@ -170,3 +201,4 @@ class PeerDetection:
             log.info("SMC peer detection: BPF programs detached")
         self._marks.clear()
         self._ports.clear()
+        self._unarmed.clear()

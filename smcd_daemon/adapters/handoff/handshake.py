@@ -498,7 +498,7 @@ class Handshakes:
         srv = self._srv
         if proposing:
             await asyncio.sleep(0)
-        detected = srv.detection.peer(tcp.fd)
+        detected = srv.detection.peer_of_accepted(tcp.fd)
         if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
             detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
