@@ -17,9 +17,9 @@ The application sees the same :class:`smc_handoff.channel.Channel` as for SMC-D 
   :class:`Transmit`). Since the application may reuse send-buffer space only once the remote
   consumer cursor has passed it, nothing not yet written can be overwritten.
 
-Ring length: smcd keeps the 32-byte CDC header *inside* the RMB as SMC-D does (the application's
-channel needs it there), so an RMB announced as ``16 KiB << n`` in CLC has a ring of that size
-minus 32 (``smcd_conn_save_peer_info``'s rule, applied to SMC-R). Both ends must be smcd.
+Ring length: the RMBE announced in CLC is exactly the ring the peer writes at offsets 0 .. size-1,
+as a kernel peer expects; the application channel's 32-byte header sits in front of it, outside
+the registered region (``layout.SMCR_CHANNEL_SIZES``).
 
 Rules taken from Linux (``smc_cdc.c``, ``smc_tx.c``, ``smc_rx.c``):
 
