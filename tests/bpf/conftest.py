@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -133,11 +134,12 @@ class Net:
         return Capture(proc, pcap)
 
 
-@pytest.fixture
-def net() -> Iterator[Net]:
+@contextlib.contextmanager
+def two_hosts(tag: str, work: Path) -> Iterator[Net]:
+    """Namespaces A (ADDR_A on veth0) and B (ADDR_B on veth1) joined by a veth pair; ``work``
+    is removed afterwards."""
     _need("ip")
-    work = Path(tempfile.mkdtemp(prefix="smcd-bpf-", dir="/tmp"))
-    n = Net(f"smcbpf{os.getpid()}", work)
+    n = Net(tag, work)
     try:
         sh("ip", "netns", "add", n.ns_a)
         sh("ip", "netns", "add", n.ns_b)
@@ -152,3 +154,10 @@ def net() -> Iterator[Net]:
         for ns in (n.ns_a, n.ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    work = Path(tempfile.mkdtemp(prefix="smcd-bpf-", dir="/tmp"))
+    with two_hosts(f"smcbpf{os.getpid()}", work) as n:
+        yield n

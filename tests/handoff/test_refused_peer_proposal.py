@@ -27,7 +27,7 @@ import pytest
 
 from smcd_daemon.wire.clc import Decline, Proposal, SmcType, V2Extension, decode
 from smcd_daemon.wire.reasons import DeclineReason
-from tests.bpf.conftest import ADDR_A, ADDR_B, Net, sh
+from tests.bpf.conftest import ADDR_B, Net, two_hosts
 from tests.control.daemon_proc import SMCD, NotifySocket, SmcdProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,21 +76,8 @@ def _proposal() -> bytes:
 def net() -> Iterator[Net]:
     work = Path(f"/tmp/smcd-peers-{os.getpid()}")
     work.mkdir(exist_ok=True)
-    n = Net(f"smcpr{os.getpid()}", work)
-    try:
-        sh("ip", "netns", "add", n.ns_a)
-        sh("ip", "netns", "add", n.ns_b)
-        sh("ip", "-n", n.ns_a, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1",
-           "netns", n.ns_b)  # fmt: skip
-        sh("ip", "-n", n.ns_a, "addr", "add", f"{ADDR_A}/24", "dev", "veth0")
-        sh("ip", "-n", n.ns_b, "addr", "add", f"{ADDR_B}/24", "dev", "veth1")
-        for ns, dev in ((n.ns_a, "veth0"), (n.ns_b, "veth1"), (n.ns_a, "lo"), (n.ns_b, "lo")):
-            sh("ip", "-n", ns, "link", "set", dev, "up")
+    with two_hosts(f"smcpr{os.getpid()}", work) as n:
         yield n
-    finally:
-        for ns in (n.ns_a, n.ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["rm", "-rf", os.fspath(work)], check=False, timeout=30)
 
 
 class HostB:
