@@ -187,16 +187,25 @@ class Manager(RecordInterface):
     ) -> PnetStructs:
         """Like ``smc_pnet -a PNETID [-I netdev] [-D ibdev [-P port]]``; "" leaves a half out,
         port 0 means the default (1). Returns the entries actually added."""
-        await self._authorize("PnetAdd")
+        added = await self._pnet_add("PnetAdd", pnetid, netdev, ibdev, ibport, None)
+        return [pnet_entry_struct(e) for e in added]
+
+    async def _pnet_add(
+        self, method: str, pnetid: str, netdev: str, ibdev: str, ibport: int, netns: str | None
+    ) -> tuple[PnetEntry, ...]:
+        """Both add methods: "" leaves a half out, port 0 is the default (1); ``netns`` None is
+        smcd's own namespace, otherwise the caller's spelling (checked here)."""
+        await self._authorize(method)
         with _as_dbus_errors():
             added = self._pnet.add(
                 pnetid,
                 netdev=netdev or None,
                 ibdev=ibdev or None,
                 ibport=ibport or 1,
+                netns="" if netns is None else pnet_netns(netns),
             )
         self._done("pnet")
-        return [pnet_entry_struct(e) for e in added]
+        return added
 
     @dbus_method(name="PnetRemove")
     async def pnet_remove(self, pnetid: DBusStr) -> DBusUInt32:
@@ -228,16 +237,7 @@ class Manager(RecordInterface):
         self, pnetid: DBusStr, netdev: DBusStr, ibdev: DBusStr, ibport: PortArg, netns: DBusStr
     ) -> PnetNsStructs:
         """``PnetAdd`` with the netdev's network namespace."""
-        await self._authorize("PnetAddNs")
-        with _as_dbus_errors():
-            added = self._pnet.add(
-                pnetid,
-                netdev=netdev or None,
-                ibdev=ibdev or None,
-                ibport=ibport or 1,
-                netns=pnet_netns(netns),
-            )
-        self._done("pnet")
+        added = await self._pnet_add("PnetAddNs", pnetid, netdev, ibdev, ibport, netns)
         return [pnet_entry_ns_struct(e) for e in added]
 
     @dbus_method(name="PnetRemoveNs")
