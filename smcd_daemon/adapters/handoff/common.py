@@ -11,6 +11,7 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ __all__ = [
     "Refused",
     "bind_seqpacket",
     "clip",
+    "configured_peer",
     "fallback_message",
     "log",
     "peer_cred",
@@ -35,6 +37,7 @@ __all__ = [
 ]
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 log = logging.getLogger(__package__ or __name__)
 """One logger for the whole server (``smcd_daemon.adapters.handoff``)."""
@@ -213,3 +216,12 @@ class LocalAddresses:
             self._known.clear()
         self._known[ip] = (local, now + LOCAL_ADDRESS_TTL)
         return local
+
+
+def configured_peer(peers: Sequence[IpNetwork], ip: IpAddress) -> IpNetwork | None:
+    """The network of the configuration's ``peers`` holding ``ip`` (a daemon there proposes SMC
+    whether or not peer detection runs), or None."""
+    for net in peers:
+        if ip.version == net.version and ip in net:
+            return net
+    return None

@@ -72,7 +72,7 @@ from smcd_daemon.wire.reasons import DeclineReason
 
 from .arrivals import Arrivals
 from .channels import Draft
-from .common import Client, Refused, clip, fallback_message, log, reason_name
+from .common import Client, Refused, clip, configured_peer, fallback_message, log, reason_name
 from .gate import fallback_for, warn
 from .predecline import refused
 
@@ -223,10 +223,8 @@ class Handshakes:
         why = srv.listeners.why_smc(ip, port, srv.local_addresses.is_local, self._local_to)
         if why is not None:
             return why, True
-        for net in srv.cfg.peers:
-            if ip.version == net.version and ip in net:
-                return f"configured peer network {net}", False
-        return None, False
+        net = configured_peer(srv.cfg.peers, ip)
+        return (f"configured peer network {net}", False) if net is not None else (None, False)
 
     def _local_to(self, lst: Listener, ip: IpAddress) -> bool:
         """Is ``ip`` an address of ``lst``'s network namespace (the daemon's, or another one

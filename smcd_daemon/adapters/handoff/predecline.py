@@ -36,21 +36,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
-import os
 import socket
 from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
 from smcd_daemon.adapters.clc_io import BorrowedTcp, peek_proposal
+from smcd_daemon.core.handoff_pairs import IpAddress
 from smcd_daemon.protocol.negotiate import FallbackOutcome
 from smcd_daemon.protocol.negotiate.outcome import decline_message
+from smcd_daemon.transport.loopback import PairingError, endpoint
 from smcd_daemon.wire.clc_base import ClcType
 from smcd_daemon.wire.clc_decline import Decline
 from smcd_daemon.wire.reasons import DeclineReason
 
-from .common import fallback_message
+from .common import configured_peer, fallback_message
 
 if TYPE_CHECKING:
     from smcd_daemon.adapters.bpf.peers import PeerDetection
@@ -129,15 +129,13 @@ def proposal_due(srv: HandoffServer, fd: int, peer: str) -> float | None:
     half did (:mod:`.arrivals`)."""
     detected = srv.detection.peer(fd) is True
     try:
-        ip = ipaddress.ip_address(peer)
-    except ValueError:
+        ip: IpAddress | None = endpoint((peer, 0))[0]  # a v6 IPv4 client becomes IPv4
+    except PairingError:
         ip = None
-    if ip is not None and ip.version == 6 and ip.ipv4_mapped is not None:  # a v6 IPv4 client
-        ip = ip.ipv4_mapped
     local = ip is None or srv.local_addresses.is_local(ip)
     if detected:  # as the kernel's smc_listen_work: syn_smc means CLC follows
         return srv.cfg.timeouts.proposal_wait if local else srv.cfg.timeouts.clc_wait
-    if ip is None or local or not any(ip.version == n.version and ip in n for n in srv.cfg.peers):
+    if ip is None or local or configured_peer(srv.cfg.peers, ip) is None:
         return None
     return srv.cfg.timeouts.proposal_wait
 
@@ -198,13 +196,15 @@ def refused_accept(srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fa
     if srv.loop is None or not srv.loop.is_running():
         return False
     try:
-        sock = socket.socket(fileno=os.dup(fd))
-        try:
-            peer = sock.getpeername()[0]
-        finally:
-            sock.close()
-    except (OSError, ValueError, IndexError):
+        sock = socket.socket(fileno=fd)
+    except OSError:
         return False
+    try:
+        peer = sock.getpeername()[0]
+    except (OSError, IndexError):
+        return False
+    finally:
+        sock.detach()
     if proposal_due(srv, fd, peer) is None:
         return False
     task = srv.loop.create_task(_accept_later(srv, conn, fd, reply))
