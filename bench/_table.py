@@ -181,6 +181,16 @@ def format_number(value: float | None, scale: float) -> str:
     return f"{v:.2f}"
 
 
+def format_cell(value: float | None, unit: str) -> str:
+    """A figure of the asyncio and two-namespace tables: GB/s with two decimals, other units
+    with one below 100 and none above."""
+    if value is None:
+        return NA
+    if unit == "GB/s":
+        return f"{value:.2f}"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None or b == 0:
         return NA

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _table import format_cell
+
 HERE = Path(__file__).resolve().parent
 APP = HERE / "asyncio_app.py"
 KINDS = ("tcp", "smc")
@@ -323,21 +325,13 @@ class AsyncioRows:
         )
 
 
-def _fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "n/a"
-    if unit == "GB/s":
-        return f"{value:.2f}"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
-
-
 def render(rows: AsyncioRows) -> str:
     head = ("metric", "unit", "tcp", "smc-run", "smc/tcp", "target", "met", "mode")
     table = [head]
     for row in ROWS:
         tcp, smc = rows.res["tcp"].get(row.key), rows.res["smc"].get(row.key)
         if row.bound:  # asyncio's own figure: no transport, no comparison, no mode
-            table.append((row.label, row.unit, "-", _fmt(smc, row.unit), "-", "-", "-", "-"))
+            table.append((row.label, row.unit, "-", format_cell(smc, row.unit), "-", "-", "-", "-"))
             continue
         ratio = f"{smc / tcp:.2f}x" if tcp and smc is not None else "n/a"
         met = rows.met(row)
@@ -345,8 +339,8 @@ def render(rows: AsyncioRows) -> str:
             "-" if met is None and row.limit is None else {True: "yes", False: "NO"}.get(met, "n/a")
         )  # type: ignore[call-overload]
         mode = ", ".join(sorted(rows.modes.get(row.key, set()))) or "n/a"
-        table.append((row.label, row.unit, _fmt(tcp, row.unit), _fmt(smc, row.unit), ratio,
-                      row.target or "-", mark, mode))  # fmt: skip
+        cells = (format_cell(tcp, row.unit), format_cell(smc, row.unit))
+        table.append((row.label, row.unit, *cells, ratio, row.target or "-", mark, mode))
     shares = [rows.outside_share(k) for k in KINDS]
     table.append(
         ("HTTP p50 outside the transport", "%",

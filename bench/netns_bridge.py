@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 sys.path.insert(1, os.fspath(Path(__file__).resolve().parents[1]))
 
+from _table import format_cell
 from userview import APP, App, mode_text, smc_run
 
 PREFIX = f"smcdbench{os.getpid() % 1000}"
@@ -222,14 +223,6 @@ def run_netns_rows(plan: NetnsPlan, progress: Callable[[str], None]) -> NetnsRow
     return rows
 
 
-def _fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "n/a"
-    if unit == "GB/s":
-        return f"{value:.2f}"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
-
-
 def render(rows: NetnsRows) -> str:
     head = ("metric", "unit", "tcp-lo", "tcp-bridge", "smc-run", "smc/bridge", "smc/lo",
             "better", "mode")  # fmt: skip
@@ -238,7 +231,7 @@ def render(rows: NetnsRows) -> str:
         lo, tcp, smc = (rows.value(row.key, k) for k in KINDS)
         ratios = [f"{smc / b:.2f}x" if b and smc is not None else "n/a" for b in (tcp, lo)]
         modes = rows.modes.get(row.key)
-        table.append((row.label, row.unit, *(_fmt(v, row.unit) for v in (lo, tcp, smc)),
+        table.append((row.label, row.unit, *(format_cell(v, row.unit) for v in (lo, tcp, smc)),
                       *ratios, row.better, mode_text(modes) if modes else "n/a"))  # fmt: skip
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = []
