@@ -183,6 +183,9 @@ def _vng_command(vng: Path, kernel: KernelTree, outdir: Path) -> list[str]:
     return [
         str(vng),
         "--disable-kvm",
+        # the kernel's console goes to console.log: an oops or a panic that ends the guest
+        # mid-test is then in the failure's context instead of nowhere
+        "--verbose",
         "--run",
         str(kernel.vmlinuz),
         "--memory",
