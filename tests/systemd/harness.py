@@ -100,8 +100,10 @@ def _read_results(run: SystemdVmRun) -> None:
             name = ev["nodeid"].rsplit("::", 1)[-1]
             res = run.results.setdefault(name, Outcome())
             if ev["outcome"] == "passed":
-                if ev["when"] == "call" or res.outcome.startswith("started"):
-                    res.outcome = "passed" if res.outcome != "failed" else res.outcome
+                # only the call passes a test: a setup report alone (the VM ended during the
+                # call) leaves it "started"
+                if ev["when"] == "call" and res.outcome != "failed":
+                    res.outcome = "passed"
             else:
                 res.outcome = "failed"
                 res.text += f"[{ev['when']}] {ev['text']}\n"

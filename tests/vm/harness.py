@@ -67,9 +67,11 @@ class GuestResult:
     outcome: str = "passed"  # passed | failed | skipped | error
     text: str = ""
     duration: float = 0.0
+    phases: set[str] = field(default_factory=set)
 
     def add(self, when: str, outcome: str, text: str, duration: float) -> None:
         self.duration += duration
+        self.phases.add(when)
         if outcome == "passed":
             return
         if outcome == "failed" and when != "call":
@@ -235,7 +237,14 @@ def _read_results(run: VmRun) -> None:
             res.add(ev["when"], ev["outcome"], ev["text"], ev["duration"])
         elif kind == "finish":
             run.exitstatus = ev["exitstatus"]
-    finished = {n for n, _ in run.results.items()}
+    # A test is over with its teardown report: one with only its setup (or call) report was
+    # running when the guest ended, and must not pass on the host for its setup's "passed".
+    for res in run.results.values():
+        if "teardown" not in res.phases:
+            res.outcome = "error"
+            res.text += "[running] the guest ended during this test (the kernel's console is in "
+            res.text += "the VM output dir's console.log)\n"
+    finished = {n for n, r in run.results.items() if "teardown" in r.phases}
     unfinished = [n for n in started if n not in finished]
     if unfinished:
         run.running = unfinished[-1]

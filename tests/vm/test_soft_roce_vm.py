@@ -68,7 +68,7 @@ def test_guest(vm_run: VmRun, guest_test: str) -> None:
         pytest.fail(collected_guest_tests()[1] or "no guest tests found", pytrace=False)
     require_vm(vm_run)
     res = vm_run.results.get(guest_test)
-    if res is None:
+    if res is None or vm_run.running == guest_test:
         if vm_run.running == guest_test:
             why = "started in the guest and never finished (hang or guest crash)"
         elif vm_run.collected is not None and guest_test not in vm_run.collected:
