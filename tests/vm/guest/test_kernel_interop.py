@@ -32,7 +32,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -375,7 +375,7 @@ class Peers:
         p.stdin.write(f"{what}\n")
         p.stdin.flush()
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str) -> NoReturn:
         text = []
         for name, p in self.procs.items():
             if p.poll() is None:
