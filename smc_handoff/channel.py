@@ -461,6 +461,13 @@ class Channel(ChannelBase):
             return True
         return False
 
+    def rx_word(self) -> tuple[memoryview, int, int]:
+        """``(words, index, empty)``: the peer's producer cursor is ``words[index]``, and equal
+        to ``empty`` while nothing new is there — what :func:`smc_handoff.wakeup.spin` watches,
+        for a spin with its own budget over this channel (an event loop's busy poll,
+        :mod:`smc_handoff.aio_poll`). Valid until the next read."""
+        return self._rx_hdr, W_PROD, self._rx_empty_word
+
     def wait_readable(self, timeout: float | None = None) -> bool:
         """Wait for data, EOF or an abort. False on timeout."""
         return self._wait(self._wd, timeout)
