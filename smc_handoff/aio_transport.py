@@ -4,8 +4,10 @@
 loop, as ``asyncio``'s own socket transport drives a TCP socket, with the same contract:
 
 * waking: ``loop.add_reader`` on the channel's :meth:`~smc_handoff.channel.Channel.event_fd`
-  (its eventfd). When the transport wants data (and has none) it asks the peer for a kick
-  (:meth:`~smc_handoff.channel.Channel.arm_readable`), and when the peer's ring is full, for a
+  (its eventfd). When the transport wants data (and has none) it first waits in its loop's busy
+  poll (:mod:`smc_handoff.aio_poll`: a short spin on the peer's producer word when the loop
+  would block, as a blocking reader spins), and only then asks the peer for a kick
+  (:meth:`~smc_handoff.channel.Channel.arm_readable`); when the peer's ring is full, for a
   kick once its reader freed room (:meth:`~smc_handoff.channel.Channel.arm_space`): the peer
   kicks only when asked, so a busy stream makes no wakeup syscalls, and a wait is never a
   timer or a poll. The kick is an eventfd write, not a send on the peer link as for a
@@ -47,7 +49,10 @@ from asyncio import trsock
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from smc_handoff import aio_poll
+from smc_handoff.channel import Channel
 from smc_handoff.socket import SmcSocket
+from smc_handoff.wakeup import WANT_DATA, Waiter
 
 __all__ = [
     "HANDOFF_THREADS",
@@ -168,6 +173,10 @@ class SmcTransport(asyncio.Transport):
         self._want_data = False  # a data kick is armed
         self._want_space = False  # a space kick is armed (the buffer waits for room)
         self._read_handle: asyncio.Handle | None = None  # a read scheduled without a kick
+        self._poller = aio_poll.poller(loop)  # None: busy polling is off, always arm
+        self._polling = False  # waiting in the poller (no kick armed)
+        self.poll_waiter = Waiter(WANT_DATA, 0, 0)  # the busy poll's budget for this connection
+        self.poll_missed = 0  # perf_counter_ns of the start of a spin that gave up, else 0
         self._protocol: Any = None
         self._buffered = False
         self.set_protocol(protocol)
@@ -186,6 +195,8 @@ class SmcTransport(asyncio.Transport):
         self.space_waits = 0  # times the ring was full and a space kick was asked for
         self.space_wakeups = 0  # times the kick descriptor woke a transport waiting for room
         self.wakeups = 0  # times the kick descriptor woke us at all
+        self.polls = 0  # times the ring was empty and the transport waited in the busy poll
+        self.poll_hits = 0  # times the busy poll found our data (no kick, no wakeup)
         if server is not None:
             _server_call(server, "_attach", self)
         loop.call_soon(self._start, waiter)
@@ -245,26 +256,97 @@ class SmcTransport(asyncio.Transport):
             self._want_space = False
             self.space_wakeups += 1
             self._write_ready()  # asks for the next space kick when it fills the ring again
-        if self._want_data and ch.rx_pending:
-            self._want_data = False
+        if (self._want_data or self._polling) and ch.rx_pending:
+            if self.poll_missed:  # the data a spin gave up on: would a longer one have caught it?
+                aio_poll.learn(self.poll_waiter, self.poll_missed)
+                self.poll_missed = 0
+            self._want_data = self._polling = False  # (a hang-up while polling ends here too)
             self._read_ready()  # asks for the next data kick when it empties the ring
         if not (self._want_data or self._want_space):
             self._unwatch()  # nothing asked for: no epoll wakeups meanwhile
 
     def _want_read(self) -> None:
-        """Read now if something is there, else ask for a data kick."""
-        if self._want_data or self._lost or self._paused or self._at_eof or self._closing:
+        """Read now if something is there, else wait in the busy poll (or ask for a data kick
+        at once when it is off)."""
+        if (
+            self._want_data
+            or self._polling
+            or self._lost
+            or self._paused
+            or self._at_eof
+            or self._closing
+        ):
             return
+        poller = self._poller
+        if poller is None:
+            self._arm_read()
+            return
+        try:
+            pending = self._channel.rx_pending
+        except (OSError, ValueError):
+            pending = True  # closed under us: the read says what happened
+        if pending:
+            self._schedule_read()
+        else:
+            self._polling = True
+            self.polls += 1
+            poller.wait(self)
+
+    def _arm_read(self) -> bool:
+        """Ask for a data kick (arm, look again); True when a read was scheduled instead."""
         try:
             armed = self._channel.arm_readable(link=False)
         except OSError as e:
             self._fatal_error(e)
-            return
+            return True  # connection_lost is scheduled
         if armed:
             self._want_data = True
             self._watch()
-        elif self._read_handle is None:
+            return False
+        self._schedule_read()
+        return True
+
+    def _schedule_read(self) -> None:
+        if self._read_handle is None:
             self._read_handle = self._loop.call_soon(self._scheduled_read)
+
+    # The busy poller's side (smc_handoff.aio_poll.Pollable).
+
+    def poll_channel(self) -> Channel | None:
+        """The channel to spin on while this transport waits for data in the busy poll."""
+        if self._polling and not (self._lost or self._paused or self._at_eof or self._closing):
+            return self._channel
+        self._polling = False
+        return None
+
+    def poll_pending(self) -> bool:
+        """Data, EOF or an error waits (loads only)."""
+        try:
+            return self._channel.rx_pending
+        except (OSError, ValueError):  # closed under us: the read says what happened
+            return True
+
+    def poll_look(self) -> int:
+        """1: something is there, its read is scheduled; 0: nothing yet; -1: not waiting."""
+        if not self._polling or self._lost or self._paused or self._at_eof or self._closing:
+            self._polling = False
+            return -1
+        if not self.poll_pending():
+            return 0
+        self._polling = False
+        self.poll_missed = 0
+        self.poll_hits += 1
+        self._schedule_read()
+        return 1
+
+    def poll_arm(self) -> bool:
+        """The busy poll's budget is spent: back to the kick (True: a read was scheduled)."""
+        if not self._polling:
+            return False
+        self._polling = False
+        if self._want_data or self._lost or self._paused or self._at_eof or self._closing:
+            return False
+        return self._arm_read()
 
     def _scheduled_read(self) -> None:
         self._read_handle = None
@@ -409,7 +491,7 @@ class SmcTransport(asyncio.Transport):
             self._loop.call_soon(self._write_ready)
 
     def _stop_watching(self) -> None:
-        self._want_data = self._want_space = False
+        self._want_data = self._want_space = self._polling = False
         self._unwatch()
         if self._watching_link:
             self._watching_link = False
@@ -518,7 +600,7 @@ class SmcTransport(asyncio.Transport):
         if self._closing:
             return
         self._closing = True
-        self._want_data = False
+        self._want_data = self._polling = False
         if not self._want_space:
             self._unwatch()
         if not self._buffer:
