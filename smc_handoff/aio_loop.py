@@ -25,6 +25,10 @@ loop on Linux) where a connection comes into being:
   and the socket is readable again only when the rest (or the peer's FIN) is, bounded by a
   timer on the loop, so a late Proposal never reaches the protocol and never stalls the loop.
 
+Each SMC transport busy-polls its channel before the loop sleeps (:mod:`smc_handoff.aio_poll`,
+which wraps the loop's selector when the loop gets its first SMC transport, whenever the loop
+was made; ``$SMC_RUN_BUSY_POLL=0`` turns it off).
+
 Not upgraded: TLS (``ssl=``: the connection stays on TCP, its listener is not registered), and
 event loops that are not asyncio's selector loop — uvloop's transports are libuv's own, so a
 program that installs uvloop runs on TCP (``smc-run -v`` says so for each connection).
