@@ -183,30 +183,26 @@ class BusyPollSelector(selectors.BaseSelector):
         waiting = self._waiting
         if len(waiting) == 1:  # the request/response case: no list, no closure
             (lead,) = waiting
-            polled = [lead]
             ready = lead.poll_pending
         else:
-            polled = list(waiting)
             # The budget of the transport that waits longest for its peer (each has its own,
             # adaptive as a blocking reader's: see learn()), spent watching that one's
             # producer word; the others are looked at between two looks at that word.
-            lead = max(polled, key=_budget)
+            lead = max(waiting, key=_budget)
+            polled = list(waiting)
 
             def ready() -> bool:
                 return any(t.poll_pending() for t in polled)
 
-        waiting.clear()
         w = lead.poll_waiter
         ch = lead.poll_channel()
         if ch is None:  # it stopped waiting: the others get their turn at the next select
-            for t in polled:
-                if t is not lead:
-                    self.wait(t)
+            del waiting[lead]
             return self.selector.select(0 if waiting else timeout)
         if start < spin_backoff[0]:
             # Another task wants this CPU (see wakeup.spin): sleep at once, as a blocking
             # reader does during the back-off.
-            return self._arm(polled, start, timeout, missed=False)
+            return self._arm(start, timeout, missed=False)
         if not w.yield_ns:
             # The peer shares our CPU: a spin would only yield to it, and the loop's sleep in
             # epoll costs no more than that yield, without taking turns against every other
@@ -214,37 +210,37 @@ class BusyPollSelector(selectors.BaseSelector):
             # to see the peer move to a CPU of its own (the spin then leaves this mode).
             self._probe += 1
             if self._probe % PROBE_EVERY:
-                return self._arm(polled, start, timeout, missed=False)
+                return self._arm(start, timeout, missed=False)
         # Events already there (a kick for a transport that armed, another socket's data; in
-        # one process, the peer's kick) come first: no spin.
+        # one process, the peer's kick) come first: no spin (the look counted this turn).
         events = self.selector.select(0)
         if events:
-            for t in polled:
-                waiting[t] = 1
             return events
         self.spins += 1
         words, index, empty = ch.rx_word()
         if spin(w, ready, timeout, words, index, empty):
             scheduled = False
-            for t in polled:
+            for t in list(waiting):
                 there = t.poll_look()
-                if there > 0:
-                    self.hits += 1
-                    scheduled = True
-                elif there == 0:
-                    waiting[t] = 1  # another's data came (or nothing yet): one more turn
+                if there:
+                    del waiting[t]
+                    if there > 0:
+                        self.hits += 1
+                        scheduled = True
             if scheduled:
-                # Other events were looked at just before the spin: what came since is taken
-                # at the next turn (one syscall less per message).
+                # The others keep their turn (their looks are counted). Other events were
+                # looked at just before the spin: what came since is taken at the next turn
+                # (one syscall less per message).
                 return []
-            polled = list(waiting)  # the word moved for nothing: arm them all
-            waiting.clear()
-        return self._arm(polled, start, timeout, missed=True)
+        return self._arm(start, timeout, missed=True)  # the budget is spent
 
     def _arm(
-        self, polled: list[Pollable], start: int, timeout: float | None, missed: bool
+        self, start: int, timeout: float | None, missed: bool
     ) -> list[tuple[selectors.SelectorKey, int]]:
-        """The kick's turn (arm, look again), then the real select with the time left."""
+        """The kick's turn for every waiting transport (arm, look again: no wakeup is lost),
+        then the real select with the time left."""
+        polled = list(self._waiting)
+        self._waiting.clear()
         scheduled = False
         for t in polled:
             self.arms += 1
