@@ -8,8 +8,9 @@ The handoff itself (TCP connect/accept, then the exchange with smcd, bounded by
 
 * in ``tcp`` mode (no daemon, or a fallback) the streams are asyncio's own, on the TCP socket;
 * in SMC mode :class:`~smc_handoff.aio_transport.SmcTransport` drives the
-  :class:`~smc_handoff.socket.SmcSocket` (reads on the channel's eventfd, writes straight into
-  the peer's ring, a space kick when it was full).
+  :class:`~smc_handoff.socket.SmcSocket` (reads on the channel's eventfd after a busy poll of
+  the ring, :mod:`smc_handoff.aio_poll`; writes straight into the peer's ring, a space kick
+  when it was full).
 
 :func:`smc_socket` gives the :class:`SmcSocket` behind a writer (``.mode``, ``.fallback``).
 """

@@ -24,7 +24,10 @@ and turns around in microseconds. This module gives the event loop the same firs
   transports that found their ring empty since the last few turns of the loop are polled,
   never the thousands of idle keep-alive connections of a server, which wait on their kick.
 
-Only the transports wait here; nothing else of the loop changes. The loop's selector is wrapped
+While it spins, the loop sees no other descriptor's events (``call_soon_threadsafe`` included):
+they wait for one budget at most (:data:`~smc_handoff.wakeup.SPIN_MAX_NS`), as with
+``SO_BUSY_POLL``; events already there when the loop would block are taken first, without a
+spin. Only the transports wait here; nothing else of the loop changes. The loop's selector is wrapped
 (:class:`BusyPollSelector`, which delegates everything else to asyncio's own) the first time an
 SMC transport is made on it (:func:`poller`): so loops made before or after
 :func:`smc_handoff.aio_loop.install`, by ``asyncio.run`` or by uvicorn (``--loop asyncio``), and
