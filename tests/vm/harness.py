@@ -96,6 +96,7 @@ class VmRun:
     results: dict[str, GuestResult] = field(default_factory=dict)
     running: str | None = None  # a test that started and never reported its call phase
     exitstatus: int | None = None
+    reboots: list[str] = field(default_factory=list)  # why a second boot ran the rest
 
     def tail(self, name: str, lines: int = 40) -> str:
         try:
@@ -250,6 +251,10 @@ def _read_results(run: VmRun) -> None:
         run.running = unfinished[-1]
 
 
+#: A second boot runs the tests a dead guest left only when at least this long is left.
+REBOOT_MIN_LEFT = 300
+
+
 def boot_and_test(
     kernel: KernelTree,
     outdir: Path,
@@ -259,16 +264,60 @@ def boot_and_test(
     test_timeout: int = DEFAULT_TEST_TIMEOUT,
     rxe_module: dict[str, Any] | None = None,
 ) -> VmRun:
-    """Boot the VM once, run ``selection`` (guest node ids; [] = all), return what came back.
+    """Boot the VM, run ``selection`` (guest node ids; [] = all), return what came back.
 
     Never raises for a VM that misbehaves: that is recorded in ``VmRun.error`` so that each test
     can fail with the reason.
+
+    A guest that ends in the middle of a test (the emulated kernel panicked, or qemu died: the
+    guest program never got to report) is booted once more for the tests it did not finish,
+    the one it died in first; a test that kills the guest every time then fails with the second
+    boot's console. Why: under TCG the stock 6.1 kernel with Soft-RoCE is not ours to fix, and
+    one crash of it must not hide what the other seventy tests say. The first boot's console
+    is kept in ``VmRun.reboots`` (and ``reboot.txt``), which the session test prints.
 
     ``rxe_module``: the patched Soft-RoCE module (``tests.vm.kmod.RxeModule.to_json()``) the guest
     loads instead of the stock one, or ``{"error": ...}`` when it could not be built (the guest
     then uses the stock module and only the tests needing the patch fail, with that error).
     """
     timeout = timeout or vm_timeout()
+    run = _boot_once(kernel, outdir, selection, timeout, test_timeout, rxe_module)
+    left = timeout - run.elapsed
+    if (
+        run.error is not None
+        or run.exitstatus is not None
+        or run.running is None
+        or not run.collected
+        or left < REBOOT_MIN_LEFT
+    ):
+        return run
+    done = {n for n, r in run.results.items() if "teardown" in r.phases}
+    rest = [n for n in (selection or run.collected) if n not in done]
+    why = (
+        f"the guest ended during {run.running} after {run.elapsed:.0f} s (vng status "
+        f"{run.returncode}); a second boot ran the {len(rest)} tests it had not finished.\n"
+        f"--- first boot's console (last lines) ---\n{run.tail('console.log', 80)}\n"
+    )
+    (outdir / "reboot.txt").write_text(why)
+    again = _boot_once(kernel, outdir / "reboot", rest, int(left), test_timeout, rxe_module)
+    run.reboots.append(why)
+    run.results.update(again.results)
+    run.running, run.exitstatus = again.running, again.exitstatus
+    run.collect_errors += again.collect_errors
+    run.error = None if again.error is None else f"second boot: {again.error}"
+    run.elapsed += again.elapsed
+    run.outdir = again.outdir  # the failure context of what is left is the second boot's
+    return run
+
+
+def _boot_once(
+    kernel: KernelTree,
+    outdir: Path,
+    selection: list[str],
+    timeout: int,
+    test_timeout: int,
+    rxe_module: dict[str, Any] | None,
+) -> VmRun:
     outdir.mkdir(parents=True, exist_ok=True)
     run = VmRun(kernel=kernel, outdir=outdir)
     try:

@@ -6,6 +6,8 @@ Each guest test under ``tests/vm/guest/`` appears here as ``test_guest[<its node
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests.vm import topology
@@ -38,6 +40,10 @@ def test_guest_network_matches_topology(vm_run: VmRun) -> None:
     assert [topology.Port(**p) for p in vm_run.guest["ports"]] == list(topology.PORTS)
 
 
+class GuestRebooted(UserWarning):
+    """The guest died during a test and a second boot ran what it had not finished."""
+
+
 def test_guest_session_complete(vm_run: VmRun) -> None:
     """The guest ran what the host selected, collected cleanly, and finished without hanging."""
     require_vm(vm_run)
@@ -53,6 +59,8 @@ def test_guest_session_complete(vm_run: VmRun) -> None:
         problems.append(f"guest tests without a result: {missing}")
     if problems:
         pytest.fail("\n".join(problems) + "\n" + vm_run.context(), pytrace=False)
+    for why in vm_run.reboots:  # said in the summary of every run that needed a second boot
+        warnings.warn(GuestRebooted(why), stacklevel=1)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
