@@ -34,16 +34,22 @@ from user_app import Reader, pattern  # noqa: E402
 from smc_handoff.channel import Channel, make_pair  # noqa: E402
 
 MIB = 1 << 20
+SESSIONS = False
+"""Run the child in a session of its own (``--sessions``), as the user view's programs are."""
 
 
 class CountingEnd(ChannelEnd):
-    """``ChannelEnd`` with counters on the slow paths (the fast paths stay uncounted)."""
+    """``ChannelEnd`` with counters on the slow paths (the fast paths stay uncounted), and the
+    time each side spent waiting for the other (a pipelined pair: only the faster side waits;
+    in lock-step both do)."""
 
     def __init__(self, ch: Channel) -> None:
         super().__init__(ch)
         self.short_writes = 0
         self.space_waits = 0
         self.reads = 0
+        self.data_waits = 0
+        self.wait_ns = 0
 
     def sendall(self, mv: memoryview) -> None:
         ch = self.ch
@@ -57,11 +63,21 @@ class CountingEnd(ChannelEnd):
                 mv = mv[n:]
             else:
                 self.space_waits += 1
+                t0 = time.perf_counter_ns()
                 ch.wait_writable()
+                self.wait_ns += time.perf_counter_ns() - t0
 
     def recv_into(self, buf: memoryview) -> int:
         self.reads += 1
-        return super().recv_into(buf)
+        ch = self.ch
+        n = ch.recv_fast(buf) or ch.recv_into(buf)
+        if n:
+            return n
+        self.data_waits += 1
+        t0 = time.perf_counter_ns()
+        n = super().recv_into(buf)
+        self.wait_ns += time.perf_counter_ns() - t0
+        return n
 
     def counters(self) -> dict[str, float]:
         st = self.ch.stats()
@@ -69,6 +85,8 @@ class CountingEnd(ChannelEnd):
             "short_writes": self.short_writes,
             "space_waits": self.space_waits,
             "reads": self.reads,
+            "data_waits": self.data_waits,
+            "wait_s": self.wait_ns / 1e9,
             "kicks": st["kicks_sent"],
             "sleeps": st["sleeps"],
             "spin_hits": st["spin_hits"],
@@ -145,6 +163,8 @@ def pair(
     pid = os.fork()
     if pid == 0:
         os.close(rd)
+        if SESSIONS:
+            os.setsid()  # as the user view starts its programs: its own scheduling autogroup
         code = 0
         try:
             end = pb()
@@ -178,7 +198,7 @@ def bulk(kind: str, size: int, total: int, stride: int, recv: int = MIB) -> dict
             end.sendall(chunk)
         end.recv_into(ack)
         if isinstance(end, CountingEnd):
-            end.short_writes = end.space_waits = 0
+            end.short_writes = end.space_waits = end.data_waits = end.wait_ns = 0
         base = (usage(), end.counters() if isinstance(end, CountingEnd) else {})
         t0 = time.perf_counter()
         for _ in range(total // len(chunk)):
@@ -187,7 +207,7 @@ def bulk(kind: str, size: int, total: int, stride: int, recv: int = MIB) -> dict
         rate = total / (time.perf_counter() - t0)
         d = delta(base[0], end)
         for k, v in base[1].items():
-            if k in ("kicks", "sleeps", "spin_hits", "missed"):
+            if k in ("kicks", "sleeps", "spin_hits", "missed", "wait_s", "data_waits"):
                 d[k] -= v
         return {"rate": rate, **d}
 
@@ -200,7 +220,7 @@ def bulk(kind: str, size: int, total: int, stride: int, recv: int = MIB) -> dict
         r.take(end.recv_into, total)
         d = delta(base[0], end)
         for k, v in base[1].items():
-            if k in ("kicks", "sleeps", "spin_hits", "missed"):
+            if k in ("kicks", "sleeps", "spin_hits", "missed", "wait_s", "data_waits"):
                 d[k] -= v
         end.sendall(memoryview(b"k"))
         return d
@@ -226,7 +246,7 @@ def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
             end.sendall(data)
             exactly(end, buf)
         if isinstance(end, CountingEnd):
-            end.short_writes = end.space_waits = 0
+            end.short_writes = end.space_waits = end.data_waits = end.wait_ns = 0
         end.reads = 0
         base = (usage(), end.counters() if isinstance(end, CountingEnd) else {})
         times = []
@@ -237,7 +257,7 @@ def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
             times.append(time.perf_counter_ns() - t0)
         d = delta(base[0], end)
         for k, v in base[1].items():
-            if k in ("kicks", "sleeps", "spin_hits", "missed"):
+            if k in ("kicks", "sleeps", "spin_hits", "missed", "wait_s", "data_waits"):
                 d[k] -= v
         times.sort()
         return {"p50_us": times[len(times) // 2] / 1e3, **d}
@@ -248,7 +268,7 @@ def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
             exactly(end, buf)
             end.sendall(buf)
         if isinstance(end, CountingEnd):
-            end.short_writes = end.space_waits = 0
+            end.short_writes = end.space_waits = end.data_waits = end.wait_ns = 0
         end.reads = 0
         base = (usage(), end.counters() if isinstance(end, CountingEnd) else {})
         for _ in range(rounds):
@@ -256,7 +276,7 @@ def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
             end.sendall(buf)
         d = delta(base[0], end)
         for k, v in base[1].items():
-            if k in ("kicks", "sleeps", "spin_hits", "missed"):
+            if k in ("kicks", "sleeps", "spin_hits", "missed", "wait_s", "data_waits"):
                 d[k] -= v
         return d
 
@@ -266,7 +286,8 @@ def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
 
 def per(d: dict[str, Any], unit: float) -> str:
     """One process's figures per ``unit`` (MiB moved, or round trips)."""
-    keys = ("cpu_s", "sys_s", "vcsw", "ivcsw", "short_writes", "space_waits", "reads", "kicks")
+    keys: tuple[str, ...] = ("cpu_s", "sys_s", "wait_s", "vcsw", "ivcsw", "short_writes")
+    keys += ("space_waits", "reads", "data_waits", "kicks")
     parts = []
     for k in keys:
         if k in d:
@@ -293,7 +314,12 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--no-tcp", action="store_true", help="skip the TCP baseline")
     ap.add_argument("--recv", default="1M", help="the reader's recv_into buffer")
+    ap.add_argument(
+        "--sessions", action="store_true", help="the reader in a session of its own (user view)"
+    )
     args = ap.parse_args()
+    global SESSIONS
+    SESSIONS = args.sessions
     total = args.mib * MIB
     out: list[dict[str, Any]] = []
     cases = args.cases.split(",")

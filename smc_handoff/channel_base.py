@@ -42,7 +42,15 @@ from smc_handoff.layout import (
     check_channel_size,
     create_dmb,
 )
-from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, Waiter, link_watcher, spin
+from smc_handoff.wakeup import (
+    WANT_DATA,
+    WANT_LINK,
+    WANT_SPACE,
+    Waiter,
+    learn,
+    link_watcher,
+    spin,
+)
 
 __all__ = [
     "ABORT_WORD",
@@ -383,9 +391,19 @@ class ChannelBase:
         self._check_open()
         ready: Callable[[], bool] = self._rx_ready if w is self._wd else self._tx_ready
         if ready():
+            if w.since:  # came just after a socket layer's spin gave up (spin_readable)
+                learn(w, time.perf_counter_ns())
             return True
         if timeout is not None and timeout <= 0:
             return self._check_link()
+        if self._spin_sleep(w, ready, timeout):
+            if w.since:  # a longer spin would have caught it: learn from the sleep
+                learn(w, time.perf_counter_ns())
+            return True
+        return False
+
+    def _spin_sleep(self, w: Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """The rest of :meth:`_wait`: spin, then arm, fence, look again, sleep."""
         deadline = None if timeout is None else time.monotonic() + timeout
         # 1. Spin: loads and yields only (see wakeup.spin), watching the word the peer will store.
         hdr = self._rx_hdr

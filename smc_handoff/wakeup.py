@@ -30,6 +30,7 @@ __all__ = [
     "WANT_SPACE",
     "LinkWatcher",
     "Waiter",
+    "learn",
     "link_watcher",
     "spin",
     "spin_backoff",
@@ -61,9 +62,10 @@ SPIN_BACKOFF_MAX_NS = 1_000_000_000
 class Waiter:
     """The wait state of one direction of one end: which WAIT/KICK words of the trailer it
     uses, its request generation and bits, and its adaptive spin budget. One thread at a time
-    waits in each direction."""
+    waits in each direction. ``since``: when the wait under way began, if a spin of it has
+    given up (0: none), for :func:`learn`."""
 
-    __slots__ = ("armed", "gen", "kick_idx", "spin_ns", "wait_idx", "want", "yield_ns")
+    __slots__ = ("armed", "gen", "kick_idx", "since", "spin_ns", "wait_idx", "want", "yield_ns")
 
     def __init__(self, want: int, wait_idx: int, kick_idx: int) -> None:
         self.want = want
@@ -73,6 +75,7 @@ class Waiter:
         self.armed = 0
         self.spin_ns = SPIN_START_NS
         self.yield_ns = SPIN_YIELD_NS
+        self.since = 0
 
 
 # Spinning is given up for a while, process-wide, once a yield showed that this CPU is wanted
@@ -127,6 +130,7 @@ def spin(
             w.spin_ns = max(SPIN_MIN_NS, w.spin_ns >> 1)
             return False
         now = after
+    start = now
     budget = w.spin_ns
     end = now + budget
     if timeout is not None:
@@ -152,6 +156,7 @@ def spin(
         ):
             if steady and not switched:
                 return True
+            w.since = 0
             if budget < SPIN_MAX_NS:
                 w.spin_ns = min(SPIN_MAX_NS, budget + (budget >> 1) + 1000)
             if switched:  # the peer ran on our CPU while we yielded
@@ -170,12 +175,38 @@ def spin(
             if after - now > SPIN_CONTENDED_NS and not ready():
                 spin_backoff[0] = after + backoff
                 spin_backoff[1] = min(SPIN_BACKOFF_MAX_NS, backoff * 2)
-                break
+                w.spin_ns = max(SPIN_MIN_NS, budget >> 1)
+                return False
             switched = after - now > SPIN_SWITCHED_NS
             now = after
             next_yield = after + every
     w.spin_ns = max(SPIN_MIN_NS, budget >> 1)
+    if not w.since or start - w.since > _SINCE_STALE_NS:
+        w.since = start  # the budget ran out: learn() tells whether a longer one would have paid
     return False
+
+
+#: A ``since`` older than this belongs to an earlier wait (one wait spins at most twice: a
+#: socket layer's first resort, then the general wait's own spin, each within the budget).
+_SINCE_STALE_NS = 4 * SPIN_MAX_NS
+
+
+def learn(w: Waiter, now: int) -> None:
+    """A wait whose spin gave up has ended at ``now`` (``perf_counter_ns``) without a timeout:
+    when it lasted no longer than the largest budget, a spin that long would have caught it
+    without a sleep and the peer's wakeup, so the budget grows to twice what it took.
+
+    Why: the budget otherwise learns only from spins, so a budget that once fell below the
+    usual wait (a few slow waits: a cold ring's page faults, a descheduled peer) never sees a
+    spin succeed again, halves on every wait and stays at its floor. Waits that take longer than
+    a spin's reach are left to sleep and teach nothing, as with busy-poll and halt-poll.
+    """
+    since = w.since
+    if since:
+        w.since = 0
+        waited = now - since
+        if 0 <= waited <= SPIN_MAX_NS and w.spin_ns < 2 * waited:
+            w.spin_ns = min(SPIN_MAX_NS, 2 * waited)
 
 
 class LinkWatcher:
