@@ -27,9 +27,9 @@ and turns around in microseconds. This module gives the event loop the same firs
 While it spins, the loop sees no other descriptor's events (``call_soon_threadsafe`` included):
 they wait for one budget at most (:data:`~smc_handoff.wakeup.SPIN_MAX_NS`), as with
 ``SO_BUSY_POLL``; events already there when the loop would block are taken first, without a
-spin. Only the transports wait here; nothing else of the loop changes. The loop's selector is wrapped
-(:class:`BusyPollSelector`, which delegates everything else to asyncio's own) the first time an
-SMC transport is made on it (:func:`poller`): so loops made before or after
+spin. Only the transports wait here; nothing else of the loop changes. The loop's selector is
+wrapped (:class:`BusyPollSelector`, which delegates everything else to asyncio's own) the first
+time an SMC transport is made on it (:func:`poller`): so loops made before or after
 :func:`smc_handoff.aio_loop.install`, by ``asyncio.run`` or by uvicorn (``--loop asyncio``), and
 loops of :mod:`smc_handoff.aio`'s own streams, all get it; loops without an SMC connection (and
 uvloop, whose connections stay on TCP) are left untouched.
@@ -72,7 +72,7 @@ its connections (a look is a load or two: a fraction of a microsecond)."""
 
 PROBE_EVERY = 16
 """While a transport's peer shares its CPU (its spin yields first), one wait in this many spins;
-the others sleep at once (see :meth:`BusyPollSelector.select`)."""
+the others arm the kick at once (see :meth:`BusyPollSelector.bypass`)."""
 
 
 def _budget(t: Pollable) -> int:
@@ -142,6 +142,18 @@ class BusyPollSelector(selectors.BaseSelector):
         """``transport`` found its ring empty: poll it before the loop blocks."""
         self._waiting.setdefault(transport, 0)
 
+    def bypass(self, w: Waiter) -> bool:
+        """True when a transport with budget ``w`` should arm its kick at once instead of
+        waiting here: during the spin back-off (another task wants this CPU), and while its
+        peer shares our CPU (``w.yield_ns`` is 0: a spin would only yield to the peer, which
+        the loop's sleep does as well, without taking turns against every other task on this
+        CPU, and the transport then costs no more than without busy polling) except one wait
+        in :data:`PROBE_EVERY`, which spins to see the peer move to a CPU of its own."""
+        if w.yield_ns:
+            return time.perf_counter_ns() < spin_backoff[0]
+        self._probe += 1
+        return bool(self._probe % PROBE_EVERY)
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)
@@ -206,14 +218,6 @@ class BusyPollSelector(selectors.BaseSelector):
             # Another task wants this CPU (see wakeup.spin): sleep at once, as a blocking
             # reader does during the back-off.
             return self._arm(start, timeout, missed=False)
-        if not w.yield_ns:
-            # The peer shares our CPU: a spin would only yield to it, and the loop's sleep in
-            # epoll costs no more than that yield, without taking turns against every other
-            # task on this CPU for the whole budget. Every PROBE_EVERY-th wait spins anyway,
-            # to see the peer move to a CPU of its own (the spin then leaves this mode).
-            self._probe += 1
-            if self._probe % PROBE_EVERY:
-                return self._arm(start, timeout, missed=False)
         # Events already there (a kick for a transport that armed, another socket's data; in
         # one process, the peer's kick) come first: no spin (the look counted this turn).
         events = self.selector.select(0)

@@ -262,8 +262,11 @@ class SmcTransport(asyncio.Transport):
                 self.poll_missed = 0
             self._want_data = self._polling = False  # (a hang-up while polling ends here too)
             self._read_ready()  # asks for the next data kick when it empties the ring
-        if not (self._want_data or self._want_space):
-            self._unwatch()  # nothing asked for: no epoll wakeups meanwhile
+        if not (self._want_data or self._want_space or self._polling):
+            # Nothing asked for: no epoll wakeups meanwhile. A transport in the busy poll
+            # stays watched: it arms again when the poll gives up, and two epoll_ctl calls
+            # (and asyncio's handle and key) per message cost more than the kicks they save.
+            self._unwatch()
 
     def _want_read(self) -> None:
         """Read now if something is there, else wait in the busy poll (or ask for a data kick
@@ -278,7 +281,7 @@ class SmcTransport(asyncio.Transport):
         ):
             return
         poller = self._poller
-        if poller is None:
+        if poller is None or poller.bypass(self.poll_waiter):
             self._arm_read()
             return
         try:
