@@ -137,6 +137,7 @@ class Gate:
         try:
             self._expire_pending(now)
             self._srv.channels.expire(now)
+            self._srv.publisher.sweep_lgrs(now)
             self._srv.journal.flush()  # hang-ups' lines no channel's line took along
             self._ticks += 1
             if self._ticks % _FLUSH_EVERY == 0:

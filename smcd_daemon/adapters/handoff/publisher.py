@@ -132,7 +132,11 @@ class Publisher:
         self._due: dict[int, float] = {}  # conn_id → when it is published (insertion = due order)
         self._timer: asyncio.TimerHandle | None = None
         self._fallbacks: OrderedDict[int, float] = OrderedDict()
-        self._lgr_timers: dict[int, asyncio.TimerHandle] = {}
+        self._idle_lgrs: dict[int, float] = {}
+        """Link groups without connections → the loop time they became idle (oldest first):
+        freed by :meth:`sweep_lgrs` once idle for :data:`LGR_FREE_DELAY`, without a timer
+        per connection (each connection's close made one, the next connection cancelled it,
+        and the cancelled handles piled up in the loop's timer heap)."""
 
     # -- records, batched -----------------------------------------------------------------------
 
@@ -229,21 +233,32 @@ class Publisher:
 
     def keep_lgr(self, lgr_id: int) -> None:
         """A connection uses ``lgr_id`` again: it is not to be freed."""
-        timer = self._lgr_timers.pop(lgr_id, None)
-        if timer is not None:
-            timer.cancel()
+        self._idle_lgrs.pop(lgr_id, None)
 
     def maybe_free_lgr(self, lgr_id: int) -> None:
         """Free ``lgr_id`` after :data:`LGR_FREE_DELAY` if it has no connection by then."""
+        if lgr_id in self._idle_lgrs:
+            return
         lgr = self._srv.registry.link_group(lgr_id)
         loop = self._srv.loop
-        if lgr is None or lgr.conns or lgr_id in self._lgr_timers or loop is None:
+        if lgr is None or lgr.conns or loop is None:
             return
-        self._lgr_timers[lgr_id] = loop.call_later(LGR_FREE_DELAY, self._free_lgr, lgr_id)
+        self._idle_lgrs[lgr_id] = loop.time()
+
+    def sweep_lgrs(self, now: float) -> None:
+        """Free the link groups idle for :data:`LGR_FREE_DELAY` by loop time ``now`` (the
+        gate's tick: at most a tick late)."""
+        due = now - LGR_FREE_DELAY
+        idle = self._idle_lgrs
+        while idle:
+            lgr_id, since = next(iter(idle.items()))
+            if since > due:
+                return
+            del idle[lgr_id]
+            self._free_lgr(lgr_id)
 
     def _free_lgr(self, lgr_id: int) -> None:
         srv = self._srv
-        self._lgr_timers.pop(lgr_id, None)
         srv.deferred.run()  # a deferred record may still name this link group
         lgr = srv.registry.link_group(lgr_id)
         waiting = any(c.lgr_id == lgr_id for c in self._unpublished.values())
@@ -257,7 +272,6 @@ class Publisher:
 
     def close(self) -> None:
         """The server stops: no timer of ours fires any more."""
-        for timer in self._lgr_timers.values():
-            timer.cancel()
+        self._idle_lgrs.clear()
         if self._timer is not None:
             self._timer.cancel()
