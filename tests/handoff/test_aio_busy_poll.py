@@ -89,6 +89,20 @@ def strong_spin(transport):
     w.spin_ns, w.yield_ns = wakeup.SPIN_MAX_NS, wakeup.SPIN_YIELD_NS
     wakeup.spin_backoff[0] = 0
 
+async def primed(reader, writer):
+    """A round trip whose answer comes while the loop is busy (callbacks ready, no blocking
+    select, so no spin changes the budget): it is read by a look, and the transport then
+    waits in the poll with the strongest budget, whatever the machine's load (a transport
+    whose peer shared its CPU, or during the back-off, would arm its kick at once)."""
+    strong_spin(writer.transport)
+    hits = writer.transport.poll_hits
+    req = request()
+    writer.write(req)
+    asyncio.get_running_loop().call_soon(busy, 30)
+    assert await asyncio.wait_for(reader.readexactly(1024), 10) == req[::-1]
+    strong_spin(writer.transport)
+    return writer.transport.poll_hits - hits
+
 async def main():
     loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -97,22 +111,20 @@ async def main():
     if scenario == "pingpong":
         for _ in range(1000):
             await rt(reader, writer)
-        # The answer comes while the loop is busy (callbacks ready, no blocking select):
-        # the next select's look finds it, whatever the machine's load.
-        for _ in range(10):
-            req = request()
-            writer.write(req)
-            loop.call_soon(busy, 30)
-            assert await asyncio.wait_for(reader.readexactly(1024), 10) == req[::-1]
+        # The answer comes while the loop is busy: the next select's look finds it.
+        out["primed_hits"] = sum([await primed(reader, writer) for _ in range(10)])
     elif scenario == "late":
         # Answers after the budget (SPIN_MAX is 200 us) and around it: the spin gives up, the
         # kick is armed (arm, look again), the answer is read; quick rounds in between let the
         # budget grow back.
+        out["late_spins"] = 0
         for delay in [0, 100, 150, 190, 200, 210, 250, 300, 500, 1000, 5000, 20000] * 3:
             for _ in range(20):
                 await rt(reader, writer)
-            strong_spin(writer.transport)
+            await primed(reader, writer)
+            spins = sel.spins
             await rt(reader, writer, delay)
+            out["late_spins"] += sel.spins - spins
     elif scenario == "idle":
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
         await asyncio.sleep(0.05)
@@ -135,20 +147,21 @@ async def main():
         for _ in range(40):
             for _ in range(10):
                 await rt(reader, writer)
+            await primed(reader, writer)
             spins = sel.spins
-            strong_spin(writer.transport)
             req = request(20000)  # answered in 20 ms: the spin can only end by the timer
             writer.write(req)
             fired = loop.create_future()
             due = loop.time() + 30e-6
-            loop.call_at(due, lambda: fired.set_result(loop.time() - due))
+            loop.call_at(due, lambda: fired.set_result((loop.time() - due, sel.spins - spins)))
             late.append(await fired)
-            assert sel.spins == spins + 1, "the wait did not spin"
             assert await reader.readexactly(1024) == req[::-1]
-        out["late_us"] = sorted(round(x * 1e6) for x in late)
+        # Trials where the loop spun before the timer fired (in the others the loop reached
+        # its blocking select only once the timer was due: no spin, rightly).
+        out["late_us"] = sorted(round(t * 1e6) for t, spun in late if spun)
         # Callbacks ready all the time (each schedules the next): selects with timeout 0 only,
         # which look but never spin; the transport is armed after ZERO_LOOKS looks.
-        strong_spin(writer.transport)
+        await primed(reader, writer)
         spins = sel.spins
         req = request(5000)
         writer.write(req)
@@ -217,9 +230,11 @@ def run_client(scenario: str, env: dict[str, str], busy_poll: str | None = None)
 def test_the_poll_path_delivers_a_ping_pong(env: dict[str, str]) -> None:
     r = run_client("pingpong", env)
     assert r["selector"] == "BusyPollSelector"
-    assert r["polls"] > 1000, r  # the ring was empty after every answer: it waited in the poll
-    assert r["poll_hits"] >= 10, r  # at least the answers that came while the loop was busy
-    assert r["hits"] >= r["poll_hits"], r
+    # The answers that came while the loop was busy were read by the poll's look (the first
+    # may come with a kick armed before the round began); spins deliver the others when the
+    # two processes run on CPUs of their own (not asserted: the machine's load decides).
+    assert r["primed_hits"] >= 9, r
+    assert r["poll_hits"] >= r["primed_hits"] and r["hits"] >= r["poll_hits"], r
 
 
 def test_off_never_polls(env: dict[str, str]) -> None:
@@ -233,26 +248,25 @@ def test_no_wakeup_is_lost_when_the_answer_comes_after_the_budget(env: dict[str,
     r = run_client("late", env)
     # Every late answer was read (the client checks each); those after the spin gave up
     # came with the kick armed after it.
-    assert r["wakeups"] >= 6, r
-    assert r["arms"] >= 6, r
-    assert r["poll_hits"] > 0, r
+    assert r["late_spins"] >= 30, r  # nearly every late answer was waited for with a spin
+    assert r["wakeups"] >= 6 and r["arms"] >= 6, r
 
 
 def test_idle_connections_are_not_polled(env: dict[str, str]) -> None:
     r = run_client("idle", env)
-    # Each idle transport waited in the poll once, when it started (it found nothing), then
-    # armed its kick: 600 round trips on another connection polled none of them again.
-    assert all(s["mode"] == "smcd" for s in r["idle"]), r
-    assert [s["polls"] for s in r["idle"]] == [1] * 20, r
+    # Each idle transport waited in the poll once at most, when it started (it found nothing),
+    # then armed its kick: 600 round trips on another connection polled none of them again.
+    assert all(s["mode"] == "smcd" and s["polls"] <= 1 for s in r["idle"]), r
     assert r["idle"] == r["idle_before"], r
     assert r["waiting_max"] <= 1, r  # only the busy connection ever waits in the poll
 
 
 def test_a_timer_due_before_the_budget_ends_fires_on_time(env: dict[str, str]) -> None:
     r = run_client("timer", env)
-    # Each wait spun (the client checks) with a 200 us budget and nothing to find for 20 ms,
-    # and a timer due after 30 us: the spin ends by the loop's own timeout. Spinning past it
-    # makes most timers ~170 us late or more (a few less: a spin also ends when a yield shows
-    # another task wants the CPU); the median of 40 trials shows it did not.
+    # Waits that spun with a 200 us budget and nothing to find for 20 ms, and a timer due
+    # after 30 us: the spin ends by the loop's own timeout. Spinning past it makes most timers
+    # ~170 us late or more (a few less: a spin also ends when a yield shows another task wants
+    # the CPU); the median of the trials shows it did not.
+    assert len(r["late_us"]) >= 20, r
     assert r["late_us"][len(r["late_us"]) // 2] < 120, r
     assert r["spins_while_ready"] == 0, r
