@@ -10,19 +10,21 @@ and turns around in microseconds. This module gives the event loop the same firs
 * a transport whose read found nothing does not arm its kick at once; it joins its loop's
   *waiting* set (:meth:`BusyPollSelector.wait`);
 * when the loop is about to block in ``select`` (a timeout that is not 0: no callback is ready)
-  and transports are waiting, the selector spins on their channels for the adaptive budget of
-  the blocking path, never past the loop's own timeout (a timer due), with its rules against
-  starving anyone (a ``sched_yield`` every few microseconds, yield first when the peer shares
-  our CPU, no spinning for a while, process-wide, once a yield shows another task wants this
-  CPU: :data:`smc_handoff.wakeup.spin_backoff`). Data there: the transports it came for get
-  their read scheduled and ``select`` returns at once (it only collects the events already
-  there). The budget spent: each transport arms its kick as before (arm, look again, sleep:
-  no wakeup is ever lost) and the real ``select`` runs with what is left of the timeout;
-* a ``select`` with timeout 0 (callbacks ready) never spins: it only looks at the waiting
-  channels (a load or two each) and reads what came; a transport still waiting after
-  :data:`ZERO_LOOKS` such looks, or after one spin that brought it nothing, is armed: only
-  transports that found their ring empty since the last few turns of the loop are polled,
-  never the thousands of idle keep-alive connections of a server, which wait on their kick.
+  and transports are waiting, the selector looks at their channels (a load or two each), and
+  when nothing came, spins on them for an adaptive budget (each transport's own, bounded as
+  the blocking path's), never past the loop's own timeout (a timer due), with the blocking
+  path's rules against starving anyone (:func:`smc_handoff.wakeup.spin`: a ``sched_yield``
+  every few microseconds, yield first when the peer shares our CPU, no spinning for a while,
+  process-wide, once a yield shows another task wants this CPU). Data there: the transports it
+  came for get their read scheduled and ``select`` returns at once. The budget spent: each
+  transport arms its kick as before (arm, look again, sleep: no wakeup is ever lost) and the
+  real ``select`` runs with what is left of the timeout;
+* a ``select`` with timeout 0 (callbacks ready) never spins (nor looks, but for transports that
+  waited :data:`ZERO_LOOKS` turns, which it arms): only transports that found their ring empty
+  in the last few turns of the loop are polled, once; never the idle keep-alive connections of
+  a server, which wait on their kick;
+* a transport whose peer shares its CPU (its spin yields first) or that waits during the spin
+  back-off arms its kick at once, as without busy polling (:meth:`BusyPollSelector.bypass`).
 
 While it spins, the loop sees no other descriptor's events (``call_soon_threadsafe`` included):
 they wait for one budget at most (:data:`~smc_handoff.wakeup.SPIN_MAX_NS`), as with
@@ -64,10 +66,10 @@ BUSY_POLL = True
 """Busy polling is on unless ``$SMC_RUN_BUSY_POLL`` is ``0`` (or ``off``/``no``/``false``)."""
 
 ZERO_LOOKS = 16
-"""Looks (one per ``select``) a waiting transport gets before it is armed anyway: between a read
-and the next wait a program takes several turns of the loop (the protocol's callback, the task
-it wakes, ``wait_for``'s own task...), and a loop that never blocks must not keep looking at
-its connections (a look is a load or two: a fraction of a microsecond)."""
+"""Turns of the loop (``select`` calls) a transport may wait in the poll before it is armed
+anyway: between a read and the next wait a program takes several turns (the protocol's
+callback, the task it wakes, ``wait_for``'s own task...), and a loop that never blocks must not
+keep its connections unarmed."""
 
 
 PROBE_EVERY = 16
@@ -132,7 +134,8 @@ class BusyPollSelector(selectors.BaseSelector):
 
     def __init__(self, selector: selectors.BaseSelector) -> None:
         self.selector = selector
-        self._waiting: dict[Pollable, int] = {}  # transport -> looks it had
+        self._waiting: dict[Pollable, int] = {}  # transport -> the turn it began to wait
+        self._turn = 0  # selects while transports waited
         self.spins = 0
         self.hits = 0
         self.looks = 0
@@ -142,7 +145,7 @@ class BusyPollSelector(selectors.BaseSelector):
 
     def wait(self, transport: Pollable) -> None:
         """``transport`` found its ring empty: poll it before the loop blocks."""
-        self._waiting.setdefault(transport, 0)
+        self._waiting.setdefault(transport, self._turn)
 
     def bypass(self, w: Waiter) -> bool:
         """True when a transport with budget ``w`` should arm its kick at once instead of
@@ -163,34 +166,42 @@ class BusyPollSelector(selectors.BaseSelector):
     # -- the loop's select -------------------------------------------------------------------
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if not self._waiting:
+        waiting = self._waiting
+        if not waiting:
             return self.selector.select(timeout)
+        self._turn += 1
+        if timeout is not None and timeout <= 0:
+            # Callbacks are ready: no spin, and no look either while the transports are
+            # young (what came for them is read when the loop would block, a few turns on);
+            # the oldest is the first in the dict.
+            if self._turn - next(iter(waiting.values())) >= ZERO_LOOKS:
+                self._look()
+            return self.selector.select(0)
         # Data there already (in one process, our own write to the other end) is read at once.
-        if self._look() or (timeout is not None and timeout <= 0):
+        if self._look():
             return self.selector.select(0)
         if not self._waiting:  # all armed (ZERO_LOOKS) or gone
             return self.selector.select(timeout)
         return self._block(timeout)
 
     def _look(self) -> bool:
-        """Look at the waiting channels (a load or two each): read what came, arm who had
-        :data:`ZERO_LOOKS` looks. True when a read was scheduled."""
+        """Look at the waiting channels (a load or two each): read what came, arm who waited
+        :data:`ZERO_LOOKS` turns of the loop. True when a read was scheduled."""
         self.looks += 1
         scheduled = False
         waiting = self._waiting
-        for t, seen in list(waiting.items()):
+        old = self._turn - ZERO_LOOKS
+        for t, since in list(waiting.items()):
             there = t.poll_look()
             if there:
                 del waiting[t]
                 if there > 0:
                     self.hits += 1
                     scheduled = True
-            elif seen + 1 >= ZERO_LOOKS:
+            elif since <= old:
                 del waiting[t]
                 self.arms += 1
                 scheduled = t.poll_arm() or scheduled
-            else:
-                waiting[t] = seen + 1
         return scheduled
 
     def _block(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
