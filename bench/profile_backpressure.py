@@ -230,7 +230,7 @@ def bulk(kind: str, size: int, total: int, stride: int, recv: int = MIB) -> dict
 
 
 def rr(kind: str, size: int, msg: int, rounds: int) -> dict[str, Any]:
-    data = memoryview(pattern(max(msg, 256))[:msg])
+    data = memoryview((pattern(max(msg, 256)) * 2)[:msg])
 
     def exactly(end: Any, view: memoryview) -> None:
         got = 0

@@ -31,7 +31,11 @@ from position and completed laps). Everything that must stop them (shutdown, clo
 dead peer, level mode) zeroes ``_tx_run`` / clears ``_rx_fast``, and the peer's close/abort
 flags are read on every call, so the general calls still see every error first. A blocking
 reader that finds nothing spins on the producer word itself (:meth:`Channel.spin_readable`)
-before the general wait's set-up.
+before the general wait's set-up. In a stream through a small ring (the default 256 KiB DMB)
+the space known free runs out after every write or two while the reader frees more behind
+it, so a write that does not fit the known run looks at the consumer cursor once more before
+giving up the fast path; and a read larger than a piece stays on the fast path too, copied
+and published piece by piece (the writer refills behind it).
 
 Close (RFC 7609 §4, Linux ``smc_close.c``): :meth:`Channel.shutdown_write` sets
 ``peer_done_writing`` after all data is published (the peer reads EOF after draining);
@@ -178,7 +182,34 @@ class Channel(ChannelBase):
             if wait & WANT_DATA and wait >> 8 != self._kicked_d:
                 self._kick_data(wait)
             return n
+        if 0 < n <= PIECE and self._refresh_run() >= n:
+            return self.send_fast(data)
         return 0
+
+    def _refresh_run(self) -> int:
+        """Look again at the peer's consumer cursor and set the fast path's run (0 when
+        anything is unusual: the long way then decides). The run is what the last long call
+        saw free, and a reader that keeps pace frees more behind it all the time: without this
+        look, most writes of a stream into a small ring went the long way (and a socket
+        layer's long way around it) although they fitted."""
+        if self._wr_shut or self._dead or self._closed or self._pflags & WRITE_BLOCKED:
+            return 0
+        peer = self._rx_hdr[W_CONS]
+        if peer & TX_STOP_WORD:
+            return 0
+        L = self._tx_len
+        pos = self._tx_pos
+        inflight = (
+            ((self._tx_wrap - (peer >> WRAP_SHIFT)) & 0xFFFF) * L
+            + pos
+            - (peer >> COUNT_SHIFT & 0xFFFFFFFF)
+        )
+        if not 0 <= inflight <= L:
+            return 0  # a violation: the long way reports it
+        left = L - inflight
+        run = left if left < L - pos else L - pos - 1
+        self._tx_run = run
+        return run
 
     def _send_into(self, data: Any) -> int:
         """send_into for every case: full ring, wrap, large writes, odd buffers, errors."""
@@ -297,7 +328,7 @@ class Channel(ChannelBase):
                     avail = left + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
                 else:
                     return 0
-                if 0 < n <= PIECE:  # more: the long way publishes piece by piece
+                if 0 < n <= PIECE:
                     pos = self._rx_pos
                     try:
                         buffer[:n] = self._rx_ring[pos : pos + n]
@@ -320,7 +351,42 @@ class Channel(ChannelBase):
                     ):
                         self._kick_space(wait)
                     return n
+                if n > PIECE:
+                    return self._recv_pieces(buffer, n, avail)
         return 0
+
+    def _recv_pieces(self, buffer: Any, n: int, avail: int) -> int:
+        """recv_fast's large read (``n`` bytes, all before the ring's end): copied and published
+        piece by piece, so that the writer refills behind us while we copy on. A socket layer
+        that offers a large buffer (a bulk receiver's) would otherwise go the long way around
+        on every read that finds more than a piece."""
+        ring = self._rx_ring
+        txh = self._tx_hdr
+        wbits = self._rx_wbits
+        start = self._rx_pos
+        try:
+            buffer[:PIECE] = ring[start : start + PIECE]
+        except (TypeError, ValueError, NotImplementedError):  # not flat bytes: the long way
+            return 0
+        done = PIECE
+        while True:
+            pos = start + done
+            word = wbits | pos << COUNT_SHIFT
+            self._rx_empty_word = word
+            self._rx_pos = pos
+            fb = self._flag_bits
+            txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
+            if self._flag_bits != fb:  # a writer thread published flags meanwhile
+                txh[W_CONS] = word | self._flag_bits
+            if done == n:
+                break
+            k = n - done if n - done < PIECE else PIECE
+            buffer[done : done + k] = ring[pos : pos + k]
+            done += k
+        wait = self._tx_ctrl[C_WAIT_SPACE]
+        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
+            self._kick_space(wait)
+        return n
 
     def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
         """recv_into for every case: empty ring, EOF, wrap, level mode, odd buffers, errors."""
