@@ -182,16 +182,20 @@ class Channel(ChannelBase):
             if wait & WANT_DATA and wait >> 8 != self._kicked_d:
                 self._kick_data(wait)
             return n
-        if 0 < n <= PIECE and self._refresh_run() >= n:
-            return self.send_fast(data)
+        if 0 < n <= PIECE:
+            return self._send_more(data, n)
         return 0
 
-    def _refresh_run(self) -> int:
-        """Look again at the peer's consumer cursor and set the fast path's run (0 when
-        anything is unusual: the long way then decides). The run is what the last long call
-        saw free, and a reader that keeps pace frees more behind it all the time: without this
-        look, most writes of a stream into a small ring went the long way (and a socket
-        layer's long way around it) although they fitted."""
+    def _send_more(self, data: Any, n: int) -> int:
+        """send_fast's second look, for a write the known free run does not hold: the consumer
+        cursor again, and the write at the ring's end. All of ``data`` or 0 (then the long way
+        decides: errors, a full ring, odd buffers).
+
+        Why: the run is what the last long call saw free, and a reader that keeps pace frees
+        more behind it all the time; and a stream's writes reach the ring's end once a lap (a
+        DMB's ring is 32 bytes short of its size, so 64 KiB writes do not tile it). Without
+        this look, most 64 KiB writes of a stream into the default 256 KiB DMB went the long
+        way, and a socket layer's long way around it, although they fitted."""
         if self._wr_shut or self._dead or self._closed or self._pflags & WRITE_BLOCKED:
             return 0
         peer = self._rx_hdr[W_CONS]
@@ -207,9 +211,36 @@ class Channel(ChannelBase):
         if not 0 <= inflight <= L:
             return 0  # a violation: the long way reports it
         left = L - inflight
-        run = left if left < L - pos else L - pos - 1
-        self._tx_run = run
-        return run
+        end = L - pos
+        self._tx_run = left if left < end else end - 1
+        if n > left:
+            return 0  # no room for all of it: the long way writes what fits
+        if n < end:
+            return self.send_fast(data)
+        # To the ring's end and on from its start: two copies, one cursor store.
+        try:
+            mv = data if type(data) is memoryview else memoryview(data)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                return 0
+            ring = self._tx_ring
+            ring[pos:L] = mv[:end]
+            rest = n - end
+            if rest:
+                ring[:rest] = mv[end:]
+        except (TypeError, ValueError, NotImplementedError):  # not flat bytes: the long way
+            return 0
+        wrap = (self._tx_wrap + 1) & 0xFFFF
+        self._tx_wrap = wrap
+        self._tx_laps += 1
+        self._tx_wbits = wbits = wrap << WRAP_SHIFT
+        self._tx_hdr[W_PROD] = wbits | rest << COUNT_SHIFT
+        self._tx_pos = rest
+        left -= n
+        self._tx_run = left if left < L - rest else L - rest - 1
+        wait = self._tx_ctrl[C_WAIT]
+        if wait & WANT_DATA and wait >> 8 != self._kicked_d:
+            self._kick_data(wait)
+        return n
 
     def _send_into(self, data: Any) -> int:
         """send_into for every case: full ring, wrap, large writes, odd buffers, errors."""
@@ -323,9 +354,9 @@ class Channel(ChannelBase):
                 elif (prod & WRAP_FIELD) - self._rx_wbits & WRAP_FIELD == ONE_WRAP:
                     n = len(buffer)
                     left = self._rx_len - self._rx_pos
-                    if n >= left:
-                        return 0  # reaching the end: the long way wraps
                     avail = left + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
+                    if n >= left:  # reaching the end: to it, the wrap, on from the start
+                        return self._recv_across(buffer, n if n < avail else avail, left, avail)
                 else:
                     return 0
                 if 0 < n <= PIECE:
@@ -356,37 +387,65 @@ class Channel(ChannelBase):
         return 0
 
     def _recv_pieces(self, buffer: Any, n: int, avail: int) -> int:
-        """recv_fast's large read (``n`` bytes, all before the ring's end): copied and published
-        piece by piece, so that the writer refills behind us while we copy on. A socket layer
-        that offers a large buffer (a bulk receiver's) would otherwise go the long way around
-        on every read that finds more than a piece."""
+        """recv_fast's large read (``n`` bytes, all before the ring's end). A socket layer that
+        offers a large buffer (a bulk receiver's) would otherwise go the long way around on
+        every read that finds more than a piece."""
+        if not self._copy_out(buffer, 0, n):
+            return 0
+        self._kick_space_maybe(avail - n)
+        return n
+
+    def _recv_across(self, buffer: Any, n: int, left: int, avail: int) -> int:
+        """recv_fast's read that reaches the ring's end (the writer is a lap ahead): ``left``
+        bytes to the end, the wrap, then the rest of ``n`` from the ring's start. A stream's
+        reads reach the end once a lap, and the long way (with a socket layer's way around it)
+        cost several times a fast read."""
+        if avail > self._rx_len or not self._copy_out(buffer, 0, left):
+            return 0  # a peer claiming more than the ring holds: the long way reports it
+            return 0
+        if n > left:
+            self._copy_out(buffer, left, n - left)
+        self._kick_space_maybe(avail - n)
+        return n
+
+    def _copy_out(self, buffer: Any, off: int, k: int) -> int:
+        """Copy ``k`` bytes at our consumer cursor into ``buffer[off:]`` and publish the cursor
+        after each piece, so that the writer refills behind us while we copy on; at most up
+        to the ring's end (then the cursor wraps). 0 when ``buffer`` takes no bytes (nothing
+        was consumed: the long way decides); else ``k``."""
         ring = self._rx_ring
         txh = self._tx_hdr
-        wbits = self._rx_wbits
-        start = self._rx_pos
-        try:
-            buffer[:PIECE] = ring[start : start + PIECE]
-        except (TypeError, ValueError, NotImplementedError):  # not flat bytes: the long way
-            return 0
-        done = PIECE
-        while True:
-            pos = start + done
-            word = wbits | pos << COUNT_SHIFT
+        L = self._rx_len
+        pos = self._rx_pos
+        done = 0
+        while done < k:
+            j = k - done if k - done < PIECE else PIECE
+            if done:
+                buffer[off + done : off + done + j] = ring[pos : pos + j]
+            else:
+                try:
+                    buffer[off : off + j] = ring[pos : pos + j]
+                except (TypeError, ValueError, NotImplementedError):  # not flat bytes
+                    return 0
+            done += j
+            pos += j
+            if pos == L:
+                pos = 0
+                self._rx_new_wrap((self._rx_wrap + 1) & 0xFFFF)
+            word = self._rx_wbits | pos << COUNT_SHIFT
             self._rx_empty_word = word
             self._rx_pos = pos
             fb = self._flag_bits
             txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
             if self._flag_bits != fb:  # a writer thread published flags meanwhile
                 txh[W_CONS] = word | self._flag_bits
-            if done == n:
-                break
-            k = n - done if n - done < PIECE else PIECE
-            buffer[done : done + k] = ring[pos : pos + k]
-            done += k
-        wait = self._tx_ctrl[C_WAIT_SPACE]
-        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
+        return k
+
+    def _kick_space_maybe(self, unread: int) -> None:
+        """Wake a writer sleeping for space once at most ``_rx_wake_fill`` is left unread."""
+        wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
+        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and unread <= self._rx_wake_fill:
             self._kick_space(wait)
-        return n
 
     def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
         """recv_into for every case: empty ring, EOF, wrap, level mode, odd buffers, errors."""

@@ -4,8 +4,12 @@ one fast call that frees the ring piece by piece, and every byte arrives once, i
 
 from __future__ import annotations
 
+import mmap
 import random
 
+import pytest
+
+from smc_handoff import layout
 from smc_handoff.channel import Channel, make_pair
 
 SIZE = 256 << 10
@@ -97,5 +101,63 @@ def test_stream_intact_with_64k_writes_and_large_reads() -> None:
         assert bytes(got) == stream
         assert reader.bytes_received == writer.bytes_sent == len(stream)
     finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_write_across_the_rings_end_stays_on_the_fast_path() -> None:
+    """The ring is 32 bytes short of 256 KiB, so 64 KiB writes reach its end once a lap: the
+    fast path copies to the end and on from the start, and publishes once."""
+    writer, reader = _pair()
+    try:
+        rng = random.Random(5)
+        chunks = [rng.randbytes(K64) for _ in range(4)]
+        for c in chunks[:3]:
+            assert writer.send_fast(c) == K64
+        big = bytearray(1 << 20)
+        assert reader.recv_fast(big) == 3 * K64  # room again for the fourth
+        assert writer.send_fast(chunks[3]) == K64  # 65,504 to the end, 32 from the start
+        st = writer.stats()
+        assert st["tx_prod"] == (1, 32)
+        assert reader.recv_fast(big) == K64  # to the end, the wrap, on from the start
+        assert bytes(big[:K64]) == chunks[3]
+        assert reader.stats()["rx_cons"] == (1, 32)
+        assert writer.send_fast(b"after") == 5
+        assert reader.recv_fast(big) == 5 and bytes(big[:5]) == b"after"
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_read_that_ends_at_the_rings_end_wraps_the_cursor() -> None:
+    writer, reader = _pair()
+    try:
+        data = random.Random(6).randbytes(RING)
+        assert writer.send_into(data) == RING  # the writer's cursor is in the next wrap
+        buf = bytearray(RING)
+        assert reader.recv_fast(buf) == RING and bytes(buf) == data
+        assert reader.stats()["rx_cons"] == (1, 0)  # the kernel's form: never count == ring
+        assert writer.send_fast(b"z" * 100) == 100
+        assert reader.recv_fast(buf) == 100
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_peer_claiming_more_than_the_ring_is_caught_on_the_fast_path() -> None:
+    fa, fb = make_pair(SIZE, SIZE)
+    raw = mmap.mmap(fb.rx_dmb_fd, SIZE + layout.CTRL_LEN)  # the reader's DMB, as its peer sees it
+    writer, reader = Channel.from_fds(fa), Channel.from_fds(fb)
+    words = memoryview(raw)[: layout.CDC_HEADER_LEN].cast("Q")
+    try:
+        words[layout.W_PROD] = layout.prod_word(1, 10)  # a lap and 10 bytes: more than a ring
+        big = bytearray(1 << 20)
+        assert reader.recv_fast(big) == 0
+        assert reader.stats()["rx_cons"] == (0, 0)
+        with pytest.raises(ConnectionResetError, match="bytes in a"):
+            reader.recv_into(big)
+    finally:
+        words.release()
+        raw.close()
         writer.close()
         reader.close()
