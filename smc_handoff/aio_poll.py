@@ -142,9 +142,17 @@ class BusyPollSelector(selectors.BaseSelector):
         self.arms = 0
         self.events_first = 0
         self._probe = 0
+        self._direct()
+
+    def _direct(self) -> None:
+        """While no transport waits, the loop calls asyncio's own ``select`` straight (an
+        instance attribute hides :meth:`select`): busy polling then costs the loop nothing."""
+        vars(self)["select"] = self.selector.select
 
     def wait(self, transport: Pollable) -> None:
         """``transport`` found its ring empty: poll it before the loop blocks."""
+        if not self._waiting:
+            vars(self).pop("select", None)  # the loop's next select is ours
         self._waiting.setdefault(transport, self._turn)
 
     def bypass(self, w: Waiter) -> bool:
@@ -166,6 +174,13 @@ class BusyPollSelector(selectors.BaseSelector):
     # -- the loop's select -------------------------------------------------------------------
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        try:
+            return self._select(timeout)
+        finally:
+            if not self._waiting:
+                self._direct()
+
+    def _select(self, timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
         waiting = self._waiting
         if not waiting:
             return self.selector.select(timeout)
