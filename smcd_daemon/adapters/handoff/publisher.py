@@ -5,8 +5,8 @@ A handoff costs the daemon a few event-loop turns; what no reply waits for stays
 Exporting a D-Bus object costs more than the whole handshake, so records reach the registry
 only once they have lived :data:`PUBLISH_DELAY` (short request/response connections are
 counted, never exported); a channel's record and counters, notices and a hung-up half's release
-are deferred by :data:`DEFER_DELAY` (in order, in batches) and run as soon as no handshake is in
-flight (the gap while applications map their channels).
+are deferred by :data:`DEFER_DELAY` (in order, in batches) and run then, or, when a handshake
+is in flight, right after its reply (the gap while applications map their channels).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ signals instead of bursts of thousands when many connections open at once)."""
 PUBLISH_PACE = 0.005
 DEFER_DELAY = 0.002
 """Bookkeeping that no reply waits for — a channel's registry record and counters, notices,
-a hung-up half's release — runs this much later, in batches: the handshakes that arrive
+a hung-up half's release — runs this much later, in batches, and never in the middle of a
+handshake (a delay that ends during one runs after its reply): the handshakes that arrive
 meanwhile (the next connection of a client that just closed one) go first. A handshake short of
 DMB quota runs the pending releases at once (``LoopbackIsm.reclaim``), so limits see released
 buffers exactly as before."""
@@ -76,6 +77,7 @@ class Deferred:
         self._srv = server
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._due = False  # the delay ended during a handshake: run after its reply
 
     def __bool__(self) -> bool:
         return bool(self._later)
@@ -85,14 +87,24 @@ class Deferred:
         self._later.append((fn, args))
         if len(self._later) >= DEFER_MAX:
             self.run()
-        elif self._timer is None and self._srv.loop is not None:
-            self._timer = self._srv.loop.call_later(DEFER_DELAY, self.run)
+        elif self._timer is None and not self._due and self._srv.loop is not None:
+            self._timer = self._srv.loop.call_later(DEFER_DELAY, self._fire)
+
+    def _fire(self) -> None:
+        """The delay is over: run now, or, with a handshake in flight, right after its reply
+        (:meth:`idle_soon`), never in the middle of it."""
+        self._timer = None
+        if self._srv.admission.inflight:
+            self._due = True
+            return
+        self.run()
 
     def run(self) -> bool:
         """Run every deferred call now; True if there was one."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._due = False
         ran = False
         while self._later:
             work, self._later = self._later, []
@@ -109,12 +121,13 @@ class Deferred:
         return ran
 
     def idle_soon(self) -> None:
-        """The last handshake in flight has replied: the applications now map their channels
-        and move their first bytes, and the next handoff is at least that far away. Deferred
-        bookkeeping runs in that gap (on the next loop turn) instead of when its timer fires,
-        which may be in the middle of the next handshake."""
+        """The last handshake in flight has replied: bookkeeping whose delay ended during it
+        runs now (on the next loop turn), in the gap while the applications map their
+        channels. Bookkeeping still within its delay waits for it: running each connection's
+        at once cost a loop turn and a timer cancelled per connection, and put smcd on a CPU
+        just when both applications want theirs."""
         loop = self._srv.loop
-        if not self._srv.admission.inflight and self._later and loop is not None:
+        if self._due and not self._srv.admission.inflight and loop is not None:
             loop.call_soon(self._run_if_idle)
 
     def _run_if_idle(self) -> None:
