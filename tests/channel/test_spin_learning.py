@@ -187,7 +187,7 @@ def test_64k_request_response_is_intact_with_bounded_wakeups() -> None:
             kicks_server = json.loads(f.read())
         _, status = os.waitpid(pid, 0)
         assert status == 0
-        assert kicks_client <= 2 * rounds
-        assert kicks_server <= 2 * rounds
+        assert kicks_client <= 2 * rounds + 2  # + the close
+        assert kicks_server <= 2 * rounds + 2
     finally:
         ch.close()
