@@ -402,7 +402,6 @@ class Channel(ChannelBase):
         cost several times a fast read."""
         if avail > self._rx_len or not self._copy_out(buffer, 0, left):
             return 0  # a peer claiming more than the ring holds: the long way reports it
-            return 0
         if n > left:
             self._copy_out(buffer, left, n - left)
         self._kick_space_maybe(avail - n)
