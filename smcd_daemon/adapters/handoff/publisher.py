@@ -6,7 +6,8 @@ Exporting a D-Bus object costs more than the whole handshake, so records reach t
 only once they have lived :data:`PUBLISH_DELAY` (short request/response connections are
 counted, never exported); a channel's record and counters, notices and a hung-up half's release
 are deferred by :data:`DEFER_DELAY` (in order, in batches) and run then, or, when a handshake
-is in flight, right after its reply (the gap while applications map their channels).
+is in flight, right after its reply (the gap while applications map their channels), at the
+latest :data:`DEFER_LATEST` later.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFER_DELAY",
+    "DEFER_LATEST",
     "DEFER_MAX",
     "FALLBACK_KEEP",
     "FALLBACK_LINGER",
@@ -61,11 +63,15 @@ signals instead of bursts of thousands when many connections open at once)."""
 PUBLISH_PACE = 0.005
 DEFER_DELAY = 0.002
 """Bookkeeping that no reply waits for — a channel's registry record and counters, notices,
-a hung-up half's release — runs this much later, in batches, and never in the middle of a
-handshake (a delay that ends during one runs after its reply): the handshakes that arrive
-meanwhile (the next connection of a client that just closed one) go first. A handshake short of
-DMB quota runs the pending releases at once (``LoopbackIsm.reclaim``), so limits see released
-buffers exactly as before."""
+a hung-up half's release — runs this much later, in batches, and not in the middle of a
+handshake (a delay that ends during one runs after its reply, or :data:`DEFER_LATEST` later
+when handshakes overlap without a gap): the handshakes that arrive meanwhile (the next
+connection of a client that just closed one) go first. A handshake short of DMB quota runs the
+pending releases at once (``LoopbackIsm.reclaim``), so limits see released buffers exactly as
+before."""
+DEFER_LATEST = 0.008
+"""Seconds deferred bookkeeping waits past its delay for the handshakes in flight to reply,
+at most."""
 DEFER_MAX = 256
 """Deferred calls that are run at once, whatever the delay (bounded memory under load)."""
 
@@ -92,10 +98,13 @@ class Deferred:
 
     def _fire(self) -> None:
         """The delay is over: run now, or, with a handshake in flight, right after its reply
-        (:meth:`idle_soon`), never in the middle of it."""
+        (:meth:`idle_soon`), and at the latest :data:`DEFER_LATEST` later (handshakes that
+        overlap without a gap must not hold the releases back)."""
         self._timer = None
-        if self._srv.admission.inflight:
+        loop = self._srv.loop
+        if self._srv.admission.inflight and not self._due and loop is not None:
             self._due = True
+            self._timer = loop.call_later(DEFER_LATEST, self._fire)
             return
         self.run()
 
