@@ -2,11 +2,15 @@
 the channel between two processes (no daemon), against TCP loopback, per process.
 
     .venv/bin/python bench/profile_backpressure.py [--sizes 64K,256K,1M] [--mib 512] [--json F]
+        [--sessions]
 
 For each DMB size and case it prints the rate (or round trip), and per process: CPU time per
 MiB (user + system), voluntary context switches per MiB (each one a sleep and a wake-up),
 involuntary ones, and what the channel did: write calls that returned short, waits for space
-(and how many of them slept rather than spun), read calls and bytes per read, kicks sent.
+(and how many of them slept rather than spun), read calls and bytes per read, kicks sent,
+and each side's time spent waiting for the other and its waits for data (pipelined, only the
+faster side waits; in lock-step both do). ``--sessions`` runs the reader in a session of its
+own, as the user view starts its programs (``sched_autogroup`` then schedules them apart).
 The ends are the blocking ``sendall``/``recv_into`` that ``SmcSocket`` builds on the channel
 (``bench/channel_bench.ChannelEnd``, counting); the readers are ``bench/user_app.Reader`` (the
 user view's receivers, with or without the sampled check). Findings: ``bench/RESULTS.md``.
