@@ -12,6 +12,7 @@ for, the median of many trials (a loaded machine delays some of them).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from smc_handoff import aio, aio_poll, wakeup
 from tests.handoff.test_socket import MiniDaemon
 
 pytestmark = pytest.mark.timeout(180)
@@ -270,3 +272,54 @@ def test_a_timer_due_before_the_budget_ends_fires_on_time(env: dict[str, str]) -
     assert len(r["late_us"]) >= 20, r
     assert r["late_us"][len(r["late_us"]) // 2] < 120, r
     assert r["spins_while_ready"] == 0, r
+
+
+def test_a_loop_gets_the_poll_with_its_first_smc_transport(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whenever the loop was made (here before any SMC connection, without smc-run, by
+    smc_handoff.aio's own streams): its selector is wrapped when its first SMC transport is
+    made, not before; both ends in one process read each other's data by the poll's look."""
+    d = MiniDaemon(tmp_path / "h.sock", dmb_size=65536)
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(d.path))
+    monkeypatch.delenv("SMC_RUN_BUSY_POLL", raising=False)
+    loop = asyncio.new_event_loop()
+    try:
+        assert type(loop._selector).__name__ != "BusyPollSelector"  # type: ignore[attr-defined]
+
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                writer.write(data)
+            writer.close()
+
+        async def main() -> tuple[str, int, int]:
+            server = await aio.start_server(echo, "127.0.0.1", 0)
+            assert type(loop._selector).__name__ != "BusyPollSelector"  # type: ignore[attr-defined]
+            reader, writer = await aio.open_connection(
+                "127.0.0.1", server.sockets[0].getsockname()[1]
+            )
+            sel = aio_poll.poller(loop)
+            assert sel is not None and loop._selector is sel  # type: ignore[attr-defined]
+            writer.write(b"first")  # the server half's handoff may still be under way
+            assert await reader.readexactly(5) == b"first"
+            # The loop spun while it waited for the handoff threads, whose turn on the CPU
+            # (with the GIL) may have started the spin back-off; the round trips below never
+            # spin (the other end's data is there whenever the loop would block).
+            wakeup.spin_backoff[0] = 0
+            for i in range(200):
+                msg = i.to_bytes(2, "big") * 512
+                writer.write(msg)
+                assert await reader.readexactly(len(msg)) == msg
+            hits = writer.transport.poll_hits  # type: ignore[attr-defined]
+            mode = aio.smc_socket(writer).mode
+            writer.close()
+            server.close()
+            await server.wait_closed()
+            return mode, hits, sel.hits
+
+        mode, hits, total = loop.run_until_complete(asyncio.wait_for(main(), 30))
+    finally:
+        loop.close()
+        d.stop()
+    assert mode == "smcd"
+    assert hits >= 100 and total >= 2 * hits - 1, (hits, total)  # both ends, most messages
