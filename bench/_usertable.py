@@ -155,6 +155,13 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
         ),
         URow("  bound: ceiling (C, shared memory)", "ceiling", "GB/s", GB, bound=True),
         URow(
+            "  bound: C through the default DMB's ring",
+            "ceiling_default",
+            "GB/s",
+            GB,
+            bound=True,
+        ),
+        URow(
             f"bulk, receiver checks every {stride}th byte",
             "bulk_work",
             "GB/s",

@@ -38,12 +38,19 @@ import _ceiling
 import _rtt_ceiling
 from _usertable import RR_SIZES, Modes, UserResults
 
+from smc_handoff.layout import CDC_HEADER_LEN
+from smcd_daemon.config import BuffersConfig
+
 RR_KEYS = {size: key for size, _, key, _ in RR_SIZES}
 
 HERE = Path(__file__).resolve().parent
 APP = HERE / "user_app.py"
 TIMEOUT = 300.0
 KINDS = ("tcp", "smc")
+
+
+DEFAULT_RING = BuffersConfig().default_size - CDC_HEADER_LEN
+"""The ring of a DMB of the daemon's default size (its first 32 bytes are the cursors)."""
 
 
 @dataclass(frozen=True)
@@ -360,6 +367,18 @@ class UserView:
         self.measure(("bulk",), self.bulk(0))
         progress("user view: bulk, receiver checks a sample")
         self.measure(("bulk_work",), self.bulk(p.stride))
+        progress("user view: bulk bound through the default DMB's ring (C)")
+        try:
+            self.res["bound"]["ceiling_default"] = _ceiling.measure(
+                ring=DEFAULT_RING,
+                chunk=p.write,
+                rbuf=p.recv,
+                volume=p.bulk_bytes,
+                warmup=p.bulk_warmup,
+                repeats=p.repeats,
+            )
+        except (_ceiling.CeilingError, OSError) as e:
+            self.notes.append(f"user view default-ring bound: {e}")
         progress("user view: that receiver reading memory")
         try:
             self.bound()

@@ -137,6 +137,7 @@ USER_ROWS = [
     # label, unit, target (None: none), kind ("cmp": tcp vs smc-run, "bound": one figure)
     ("bulk, 64 KiB sendall, receiver only reads", "GB/s", ">= 2.0x tcp, >= 80% of ceiling", "cmp"),
     ("bound: ceiling (C, shared memory)", "GB/s", None, "bound"),
+    ("bound: C through the default DMB's ring", "GB/s", None, "bound"),
     ("bulk, receiver checks every 65th byte", "GB/s", ">= 1.4x tcp", "cmp"),
     ("bound: that receiver reading memory", "GB/s", None, "bound"),
     ("round trip 1 B, p50", "us", "<= 0.3x tcp", "cmp"),
