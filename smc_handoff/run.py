@@ -82,7 +82,8 @@ Without a running smcd the program runs unchanged on plain TCP. asyncio programs
 too (asyncio's own event loop; not uvloop, not TLS). Environment: SMCD_HANDOFF_SOCKET (the
 daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for the daemon's answer),
 SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default: the
-daemon's).
+daemon's), SMC_RUN_BUSY_POLL=0 (an event loop does not spin on its SMC connections before it
+sleeps; default: it spins briefly, as SO_BUSY_POLL does).
 """
 )
 
