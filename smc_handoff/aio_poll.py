@@ -203,9 +203,14 @@ class BusyPollSelector(selectors.BaseSelector):
         """Look at the waiting channels (a load or two each): read what came, arm who waited
         :data:`ZERO_LOOKS` turns of the loop. True when a read was scheduled."""
         self.looks += 1
+        return self._take(self._turn - ZERO_LOOKS)
+
+    def _take(self, stale: int | None) -> bool:
+        """Every waiting transport whose channel has something (data, EOF, an error) stops
+        waiting, its read scheduled; with ``stale``, one waiting since that turn or earlier
+        arms its kick. True when a read was scheduled."""
         scheduled = False
         waiting = self._waiting
-        old = self._turn - ZERO_LOOKS
         for t, since in list(waiting.items()):
             there = t.poll_look()
             if there:
@@ -213,7 +218,7 @@ class BusyPollSelector(selectors.BaseSelector):
                 if there > 0:
                     self.hits += 1
                     scheduled = True
-            elif since <= old:
+            elif stale is not None and since <= stale:
                 del waiting[t]
                 self.arms += 1
                 scheduled = t.poll_arm() or scheduled
@@ -254,20 +259,11 @@ class BusyPollSelector(selectors.BaseSelector):
             return events
         self.spins += 1
         words, index, empty = ch.rx_word()
-        if spin(w, ready, timeout, words, index, empty):
-            scheduled = False
-            for t in list(waiting):
-                there = t.poll_look()
-                if there:
-                    del waiting[t]
-                    if there > 0:
-                        self.hits += 1
-                        scheduled = True
-            if scheduled:
-                # The others keep their turn (their looks are counted). Other events were
-                # looked at just before the spin: what came since is taken at the next turn
-                # (one syscall less per message).
-                return []
+        if spin(w, ready, timeout, words, index, empty) and self._take(None):
+            # The others keep their turn (their looks are counted). Other events were looked
+            # at just before the spin: what came since is taken at the next turn (one syscall
+            # less per message).
+            return []
         return self._arm(start, timeout, missed=True)  # the budget is spent
 
     def _arm(
