@@ -132,6 +132,9 @@ def link_from_msg(msg: Any, known: NetDevice | None = None) -> NetDevice:
     flags = _int(msg, "flags", 0)
     master = _get(msg, "master")
     link = _get(msg, "link")
+    vlan_id = _vlan_id(msg) if kind_name == "vlan" else None
+    if vlan_id is None and kind_name == "vlan" and known is not None:
+        vlan_id = known.vlan_id
     return NetDevice(
         ifindex=ifindex,
         name=name,
@@ -143,7 +146,23 @@ def link_from_msg(msg: Any, known: NetDevice | None = None) -> NetDevice:
         kind=kind_name if isinstance(kind_name, str) else None,
         master=master if isinstance(master, int) and master > 0 else None,
         link=link if isinstance(link, int) and link > 0 else None,
+        vlan_id=vlan_id,
     )
+
+
+def _vlan_id(msg: Any) -> int | None:
+    """``IFLA_LINKINFO`` → ``IFLA_INFO_DATA`` → ``IFLA_VLAN_ID`` of a vlan netdev's message
+    (plain mappings, for tests: ``{"linkinfo": {"data": {"vlan_id": 10}}}``)."""
+    if hasattr(msg, "get_nested"):
+        vid = msg.get_nested("IFLA_LINKINFO", "IFLA_INFO_DATA", "IFLA_VLAN_ID")
+    elif isinstance(msg, Mapping) and isinstance(msg.get("linkinfo"), Mapping):
+        data = msg["linkinfo"].get("data")
+        vid = data.get("vlan_id") if isinstance(data, Mapping) else None
+    else:
+        vid = None
+    if isinstance(vid, bool) or not isinstance(vid, int) or not 0 <= vid < 4096:
+        return None
+    return vid
 
 
 def address_from_msg(msg: Any) -> Address:

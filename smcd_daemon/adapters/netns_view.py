@@ -363,6 +363,9 @@ class NamespaceRoute:
     pnetid: str | None = None
     problem: str = ""
     """Why the namespace could not be asked ("" if it was)."""
+    vlan_id: int | None = None
+    """The connection's VLAN: the first VLAN device down ``netdev``'s stack there
+    (``smc_vlan_by_tcpsk``); None if none, -1 if one of unknown id."""
 
 
 def _ns_path(ns: NetnsId, pid: int) -> str | None:
@@ -409,7 +412,8 @@ def _route_in(
         )
     if dev is None:
         return NamespaceRoute(ns, problem=f"no netdev holds {local} or routes to {peer}")
-    return NamespaceRoute(ns, dev, inv.resolve_pnetid(dev.name, pnet.view(keys)))
+    pnetid = inv.resolve_pnetid(dev.name, pnet.view(keys))
+    return NamespaceRoute(ns, dev, pnetid, vlan_id=inv.clc_vlan_id(dev.name))
 
 
 async def route_pnet(

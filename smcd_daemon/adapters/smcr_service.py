@@ -283,12 +283,17 @@ class SmcrService:
         if netdev is not None:
             if where is None:
                 found = self.inventory.smcr_ports_for(netdev.name, self.pnet)
-                vlan = max(self.routing.vlan_id(netdev.name) or 0, 0)
-            elif where.pnetid is not None:
-                found = self.inventory.rdma_ports_by_pnetid(where.pnetid, self.pnet)
-                found = [p for p in found if p.active]
+                vlan = self._clc_vlan(netdev.name)
             else:
+                # The VLAN as the walk found it in that namespace (its netdevs are not ours).
+                walked = where.vlan_id
+                if walked is None and where.netdev is not None:
+                    walked = where.netdev.vlan_id
+                vlan = max(walked or 0, 0)
                 found = []
+                if where.pnetid is not None:
+                    found = self.inventory.rdma_ports_by_pnetid(where.pnetid, self.pnet)
+                    found = [p for p in found if p.active]
             if self.transport.devices is not None:
                 found = [p for p in found if p.device in self.transport.devices]
             ports = tuple(found)
@@ -362,6 +367,13 @@ class SmcrService:
                 continue
             return AltPort(port.device, port.num, g.gid, g.index, g.netdev)
         return None
+
+    def _clc_vlan(self, netdev: str) -> int:
+        """The VLAN id we offer for a CLC socket leaving through ``netdev``: the first VLAN
+        device on the way down its stack (``smc_vlan_by_tcpsk``), each device's id as the
+        routing facts know it; 0 for none (or a VLAN of unknown id, which matches nothing)."""
+        vlan = self.inventory.clc_vlan_id(netdev, lambda d: self.routing.vlan_id(d.name))
+        return max(vlan or 0, 0)
 
     def _netdev_for(self, local: IPAddr, peer: IPAddr) -> NetDeviceLike | None:
         """The CLC socket's netdev: the route's output device (as ``sk_dst_get(sk)->dev``),

@@ -133,6 +133,9 @@ class NetDevice:
     #: ``IFLA_LINK``: for stacked kinds (vlan, macvlan…) the lower device; for veth the peer.
     link: int | None = None
     addresses: tuple[Address, ...] = ()
+    #: ``IFLA_VLAN_ID`` of a ``vlan`` netdev (from ``IFLA_LINKINFO``/``IFLA_INFO_DATA``); None
+    #: for other kinds, or a vlan whose message did not carry it.
+    vlan_id: int | None = None
 
     @property
     def is_up(self) -> bool:
@@ -613,6 +616,47 @@ class DeviceInventory:
             return slaves[0]
         if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
             return self._links.get(dev.link)
+        return None
+
+    def lower_netdevs(self, dev: NetDevice) -> list[NetDevice]:
+        """All devices directly below ``dev``: its slaves (by ifindex), then the device a
+        stacked kind sits on."""
+        out = sorted(
+            (d for d in self._links.values() if d.master == dev.ifindex), key=lambda d: d.ifindex
+        )
+        if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
+            lower = self._links.get(dev.link)
+            if lower is not None and lower not in out:
+                out.append(lower)
+        return out
+
+    def clc_vlan_id(
+        self, name: str, vlan_of: Callable[[NetDevice], int | None] | None = None
+    ) -> int | None:
+        """The VLAN a socket leaving through netdev ``name`` is on (``smc_vlan_by_tcpsk``): the
+        netdev's own if it is a VLAN, else the first VLAN met walking its lower devices depth
+        first (a macvlan or bridge on ``eth0.10`` is on VLAN 10). None: no VLAN on the way;
+        -1: the first VLAN met has no known id. ``vlan_of`` answers per device (default: its
+        ``vlan_id``, -1 for a vlan without one), so explicit VLAN tables can take part."""
+
+        def own(d: NetDevice) -> int | None:
+            if d.kind != "vlan":
+                return None
+            return d.vlan_id if d.vlan_id is not None else -1
+
+        answer = vlan_of or own
+        start = self.netdev_by_name(name)
+        stack = [start] if start is not None else []
+        seen: set[int] = set()
+        while stack:
+            dev = stack.pop()
+            if dev.ifindex in seen:
+                continue
+            seen.add(dev.ifindex)
+            vlan = answer(dev)
+            if vlan is not None:
+                return vlan
+            stack.extend(reversed(self.lower_netdevs(dev)))
         return None
 
     def base_netdev(self, name: str) -> NetDevice | None:

@@ -163,9 +163,10 @@ class InventoryRouting:
 
     The inventory's routing is a longest-prefix match over the main and local tables (no policy
     rules), so ``lookup_route`` ignores ``saddr``; a daemon with policy routing can pass its own
-    ``RoutingFacts`` that asks the kernel (``RTM_GETROUTE`` with the source). The inventory does
-    not record VLAN ids, so they come in ``vlan_ids`` (netdev name → id); a ``kind == "vlan"``
-    netdev missing there is a VLAN of unknown id (it matches no VLAN, not even 'none').
+    ``RoutingFacts`` that asks the kernel (``RTM_GETROUTE`` with the source). A VLAN netdev's id
+    is its own ``vlan_id`` (rtnetlink's ``IFLA_VLAN_ID``); ``vlan_ids`` (netdev name → id)
+    overrides it, and a ``kind == "vlan"`` netdev known to neither is a VLAN of unknown id (it
+    matches no VLAN, not even 'none').
     """
 
     _UNKNOWN_VLAN = -1
@@ -184,8 +185,10 @@ class InventoryRouting:
         if netdev in self._vlans:
             return self._vlans[netdev]
         dev = self._inv.netdev_by_name(netdev)
-        kind = getattr(dev, "kind", None)
-        return self._UNKNOWN_VLAN if kind == "vlan" else None
+        if getattr(dev, "kind", None) != "vlan":
+            return None
+        vid = getattr(dev, "vlan_id", None)
+        return vid if isinstance(vid, int) and vid >= 0 else self._UNKNOWN_VLAN
 
     def lookup_route(self, saddr: IPv4, daddr: IPv4) -> RouteLike | None:
         return self._inv.route_to(daddr)
