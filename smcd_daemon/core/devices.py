@@ -618,18 +618,6 @@ class DeviceInventory:
             return self._links.get(dev.link)
         return None
 
-    def lower_netdevs(self, dev: NetDevice) -> list[NetDevice]:
-        """All devices directly below ``dev``: its slaves (by ifindex), then the device a
-        stacked kind sits on."""
-        out = sorted(
-            (d for d in self._links.values() if d.master == dev.ifindex), key=lambda d: d.ifindex
-        )
-        if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
-            lower = self._links.get(dev.link)
-            if lower is not None and lower not in out:
-                out.append(lower)
-        return out
-
     def clc_vlan_id(
         self, name: str, vlan_of: Callable[[NetDevice], int | None] | None = None
     ) -> int | None:
@@ -646,7 +634,14 @@ class DeviceInventory:
 
         answer = vlan_of or own
         start = self.netdev_by_name(name)
-        stack = [start] if start is not None else []
+        if start is None:
+            return None
+        # Slaves by master, once: a bridge with many ports is then one pass, not one per port.
+        slaves: dict[int, list[NetDevice]] = {}
+        for d in sorted(self._links.values(), key=lambda d: d.ifindex):
+            if d.master is not None:
+                slaves.setdefault(d.master, []).append(d)
+        stack = [start]
         seen: set[int] = set()
         while stack:
             dev = stack.pop()
@@ -656,7 +651,12 @@ class DeviceInventory:
             vlan = answer(dev)
             if vlan is not None:
                 return vlan
-            stack.extend(reversed(self.lower_netdevs(dev)))
+            lower = list(slaves.get(dev.ifindex, ()))
+            if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
+                below = self._links.get(dev.link)
+                if below is not None and below not in lower:
+                    lower.append(below)
+            stack.extend(reversed(lower))
         return None
 
     def base_netdev(self, name: str) -> NetDevice | None:
