@@ -69,7 +69,8 @@ def device_detail(d: Mapping[str, Any]) -> str:
         addrs = " ".join(f"{a}/{p}" for a, p in d.get("Addresses", []))
         parts = [f"mtu {d.get('Mtu', 0)}", f"carrier {'on' if d.get('Carrier') else 'off'}"]
         if d.get("LinkKind"):
-            parts.append(str(d["LinkKind"]))
+            vlan = d.get("VlanId", -1)
+            parts.append(str(d["LinkKind"]) + (f" id {vlan}" if vlan >= 0 else ""))
         if addrs:
             parts.append(addrs)
         return ", ".join(parts)

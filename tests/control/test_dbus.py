@@ -6,6 +6,7 @@ as InterfacesAdded / PropertiesChanged / InterfacesRemoved and Manager1 signals 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from smcd_daemon.adapters.dbus.objects import (
     LinkGroupObject,
     LinkObject,
 )
+from smcd_daemon.cli.devices import device_detail
 from smcd_daemon.core.registry import (
     Connection,
     ConnMode,
@@ -312,6 +314,24 @@ def test_device_changes_reach_subscribers(session_bus: DbusDaemon) -> None:
             is_signal("InterfacesAdded", "/org/smcd", device_path("veth-b"))
         )
         assert msg.body[1]["org.smcd.Device1"]["Name"].value == "veth-b"
+
+    scenario(session_bus, body)
+
+
+def test_a_vlan_netdev_shows_its_vlan_id(session_bus: DbusDaemon) -> None:
+    """A VLAN netdev's id (rtnetlink's IFLA_VLAN_ID) on the bus and in ``smcctl device show``'s
+    details; every other device says -1."""
+
+    async def body(h: Harness) -> None:
+        vlan = dataclasses.replace(veth_device(), ifindex=8, name="veth-a.10", kind="vlan")
+        h.inventory.apply_link(dataclasses.replace(vlan, vlan_id=10, link=7))
+        path = device_path("veth-a.10")
+        await h.wait_signal(is_signal("InterfacesAdded", "/org/smcd", path))
+        devices = {p: i["org.smcd.Device1"] for p, i in (await h.managed_objects()).items()}
+        assert devices[path]["VlanId"] == 10 and devices[VETH]["VlanId"] == -1
+        assert devices[device_path("loopback-ism")]["VlanId"] == -1
+        assert "vlan id 10" in device_detail(devices[path])
+        assert device_detail(devices[VETH]) == "mtu 1500, carrier on, veth"
 
     scenario(session_bus, body)
 

@@ -297,7 +297,8 @@ class DeviceObject(RecordInterface):
     """One interface for every kind of device, so ``smcctl device show`` reads one shape.
 
     ``Kind`` says which properties are meaningful: "netdev" (Ifindex..Addresses), "rdma"
-    (NodeGuid, Ports, Gids), "ism" (Gid, Chid, Enabled). ``Ports`` entries are (port, state,
+    (NodeGuid, Ports, Gids), "ism" (Gid, Chid, Enabled); ``VlanId`` is a VLAN netdev's id, -1
+    for every other device. ``Ports`` entries are (port, state,
     active MTU, netdev, PNETID); ``Gids`` entries are (port, index, GID, type, netdev).
     """
 
@@ -314,6 +315,7 @@ class DeviceObject(RecordInterface):
         "Carrier": "b",
         "AdminUp": "b",
         "LinkKind": "s",
+        "VlanId": "i",
         "Addresses": "a(sy)",
         "NodeGuid": "s",
         "Ports": "a(ysuss)",
@@ -336,6 +338,7 @@ _EMPTY_DEVICE: dict[str, Any] = {
     "Carrier": False,
     "AdminUp": False,
     "LinkKind": "",
+    "VlanId": -1,
     "Addresses": [],
     "NodeGuid": "",
     "Ports": [],
@@ -369,6 +372,7 @@ def device_values(
             Carrier=dev.carrier,
             AdminUp=dev.admin_up,
             LinkKind=dev.kind or "",
+            VlanId=-1 if dev.vlan_id is None else dev.vlan_id,
             Addresses=[(str(a.address), a.prefixlen) for a in dev.addresses],
         )
     elif isinstance(dev, RdmaDevice):
