@@ -33,6 +33,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -266,9 +267,10 @@ class PrivateBus:
     async def start(self) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         sock = self.dir / "bus.sock"
+        conf = self.dir / "bus.conf"
+        self._end_stale(conf)
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
-        conf = self.dir / "bus.conf"
         conf.write_text(_PRIVATE_BUS_CONFIG.format(socket=sock))
         try:
             self._proc = subprocess.Popen(
@@ -283,6 +285,7 @@ class PrivateBus:
                 f"cannot start a private dbus-daemon: {e.strerror or e} (install the dbus "
                 'package, or set dbus.bus to "session", "system" or an address)'
             ) from e
+        (self.dir / "bus.pid").write_text(f"{self._proc.pid}\n")
         assert self._proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(self._proc.stdout.readline), 10.0)
         self.address = line.decode().strip()
@@ -294,9 +297,31 @@ class PrivateBus:
         log.info("private D-Bus bus at %s (address in %s)", self.address, self.address_file)
         return self.address
 
+    def _end_stale(self, conf: Path) -> None:
+        """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
+        would have ended it) outlives it: end it before starting ours, so a restarted smcd
+        leaves one bus behind, not one per restart. Only a dbus-daemon running our config file
+        is ended (the pid may have been reused)."""
+        pidfile = self.dir / "bus.pid"
+        try:
+            pid = int(pidfile.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return
+        if f"--config-file={conf}".encode() not in cmdline:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            log.info("ended the private dbus-daemon (pid %d) of an smcd that was killed", pid)
+        deadline = time.monotonic() + 2.0
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # not our child: no wait(); its parent (init) reaps it
+
     def stop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.address_file.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "bus.pid").unlink()
         if self._proc is not None:
             self._proc.terminate()
             try:
