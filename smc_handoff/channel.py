@@ -489,34 +489,14 @@ class Channel(ChannelBase):
             n = nbytes
         if n > avail:
             n = avail
-        ring = self._rx_ring
-        txh = self._tx_hdr
-        fb = self._flag_bits
-        # Publish piece by piece: the writer refills behind us while we copy on.
-        done = 0
-        word = self._rx_empty_word
-        while done < n:
-            k = n - done
-            if k > PIECE:
-                k = PIECE
-            if k > L - pos:
-                k = L - pos
-            mv[done : done + k] = ring[pos : pos + k]
-            done += k
-            pos += k
-            if pos == L:
-                pos = 0
-                wrap = (wrap + 1) & 0xFFFF
-                self._rx_new_wrap(wrap)
-            word = wrap << WRAP_SHIFT | pos << COUNT_SHIFT
-            self._rx_empty_word = word
-            txh[W_CONS] = word | fb
-        if self._flag_bits != fb:  # a writer thread published flags meanwhile: keep both
-            txh[W_CONS] = word | self._flag_bits
-        self._rx_pos = pos
-        wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
-        if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
-            self._kick_space(wait)  # hysteresis: wake a blocked writer once half the ring is free
+        # Publish piece by piece (the writer refills behind us while we copy on): to the
+        # ring's end, then on from its start.
+        first = n if n < L - pos else L - pos
+        if first and not self._copy_out(mv, 0, first):
+            raise TypeError("cannot modify read-only memory")  # as the copy itself raised
+        if n > first:
+            self._copy_out(mv, first, n - first)
+        self._kick_space_maybe(avail - n)
         if self._level and n == avail:
             self._level_sync()
         return n
