@@ -284,11 +284,7 @@ class SmcTransport(asyncio.Transport):
         if poller is None or poller.bypass(self.poll_waiter):
             self._arm_read()
             return
-        try:
-            pending = self._channel.rx_pending
-        except (OSError, ValueError):
-            pending = True  # closed under us: the read says what happened
-        if pending:
+        if self.poll_pending():
             self._schedule_read()
         else:
             self._polling = True
