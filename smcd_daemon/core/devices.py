@@ -606,17 +606,28 @@ class DeviceInventory:
 
     # -- PNETID resolution (kernel smc_pnet.c) ---------------------------------------------
 
-    def lower_netdev(self, dev: NetDevice) -> NetDevice | None:
-        """The first lower device in the kernel's adjacency list: a slave of a bond/bridge/team,
-        or the device a vlan/macvlan/ipvlan is stacked on."""
-        slaves = sorted(
-            (d for d in self._links.values() if d.master == dev.ifindex), key=lambda d: d.ifindex
-        )
-        if slaves:
-            return slaves[0]
+    def _slaves(self) -> dict[int, list[NetDevice]]:
+        """Slaves by their master's ifindex, each list in ifindex order (one pass)."""
+        slaves: dict[int, list[NetDevice]] = {}
+        for d in sorted(self._links.values(), key=lambda d: d.ifindex):
+            if d.master is not None:
+                slaves.setdefault(d.master, []).append(d)
+        return slaves
+
+    def _lower_netdevs(self, dev: NetDevice, slaves: dict[int, list[NetDevice]]) -> list[NetDevice]:
+        """The kernel's adjacency list below ``dev``: its slaves (bond/bridge/team), then the
+        device a vlan/macvlan/ipvlan is stacked on."""
+        out = list(slaves.get(dev.ifindex, ()))
         if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
-            return self._links.get(dev.link)
-        return None
+            below = self._links.get(dev.link)
+            if below is not None and below not in out:
+                out.append(below)
+        return out
+
+    def lower_netdev(self, dev: NetDevice) -> NetDevice | None:
+        """The first lower device in the kernel's adjacency list (:meth:`_lower_netdevs`)."""
+        lower = self._lower_netdevs(dev, self._slaves())
+        return lower[0] if lower else None
 
     def clc_vlan_id(
         self, name: str, vlan_of: Callable[[NetDevice], int | None] | None = None
@@ -636,13 +647,12 @@ class DeviceInventory:
         start = self.netdev_by_name(name)
         if start is None:
             return None
-        # Slaves by master, once: a bridge with many ports is then one pass, not one per port.
-        slaves: dict[int, list[NetDevice]] = {}
-        for d in sorted(self._links.values(), key=lambda d: d.ifindex):
-            if d.master is not None:
-                slaves.setdefault(d.master, []).append(d)
-        stack = [start]
-        seen: set[int] = set()
+        vlan = answer(start)
+        if vlan is not None:  # the socket's own netdev is the VLAN: no walk
+            return vlan
+        slaves = self._slaves()  # once per walk: a bridge's ports are one pass, not one each
+        stack = self._lower_netdevs(start, slaves)[::-1]
+        seen = {start.ifindex}
         while stack:
             dev = stack.pop()
             if dev.ifindex in seen:
@@ -651,12 +661,7 @@ class DeviceInventory:
             vlan = answer(dev)
             if vlan is not None:
                 return vlan
-            lower = list(slaves.get(dev.ifindex, ()))
-            if dev.kind in STACKED_KINDS and dev.link is not None and dev.link != dev.ifindex:
-                below = self._links.get(dev.link)
-                if below is not None and below not in lower:
-                    lower.append(below)
-            stack.extend(reversed(lower))
+            stack.extend(reversed(self._lower_netdevs(dev, slaves)))
         return None
 
     def base_netdev(self, name: str) -> NetDevice | None:
