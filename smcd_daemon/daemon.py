@@ -268,7 +268,7 @@ class PrivateBus:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         sock = self.dir / "bus.sock"
         conf = self.dir / "bus.conf"
-        self._end_stale(conf)
+        await self._end_stale(conf)
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         conf.write_text(_PRIVATE_BUS_CONFIG.format(socket=sock))
@@ -297,7 +297,7 @@ class PrivateBus:
         log.info("private D-Bus bus at %s (address in %s)", self.address, self.address_file)
         return self.address
 
-    def _end_stale(self, conf: Path) -> None:
+    async def _end_stale(self, conf: Path) -> None:
         """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
         would have ended it) outlives it: end it before starting ours, so a restarted smcd
         leaves one bus behind, not one per restart. Only a dbus-daemon running our config file
@@ -315,7 +315,7 @@ class PrivateBus:
             log.info("ended the private dbus-daemon (pid %d) of an smcd that was killed", pid)
         deadline = time.monotonic() + 2.0
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)  # not our child: no wait(); its parent (init) reaps it
+            await asyncio.sleep(0.01)  # not our child: no wait(); its parent (init) reaps it
 
     def stop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
