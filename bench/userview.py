@@ -49,7 +49,7 @@ TIMEOUT = 300.0
 KINDS = ("tcp", "smc")
 
 
-DEFAULT_RING = BuffersConfig().default_size - CDC_HEADER_LEN
+DEFAULT_RING = BuffersConfig().default_dmb_size - CDC_HEADER_LEN
 """The ring of a DMB of the daemon's default size (its first 32 bytes are the cursors)."""
 
 

@@ -76,7 +76,7 @@ _HIGH = 64 * 1024
 
 LOOP_DMB_SIZE = 0
 """The receive buffer an event loop's connection asks smcd for: 0, the daemon's choice
-(``buffers.default_size``, 256 KiB unless configured). An event loop needs rings well above its
+(``buffers.default_dmb_size``, 1 MiB unless configured). An event loop needs rings well above its
 messages: a ring-full costs it two wakeups (wait for room, then for the rest) where a blocking
 reader spins. ``$SMC_RUN_DMB_SIZE`` asks for another size (bytes; the daemon clamps it to
 ``buffers.min_dmb_size``..``max_dmb_size``); :mod:`smc_handoff.aio` uses it too when its caller

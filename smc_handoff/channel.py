@@ -31,7 +31,7 @@ from position and completed laps). Everything that must stop them (shutdown, clo
 dead peer, level mode) zeroes ``_tx_run`` / clears ``_rx_fast``, and the peer's close/abort
 flags are read on every call, so the general calls still see every error first. A blocking
 reader that finds nothing spins on the producer word itself (:meth:`Channel.spin_readable`)
-before the general wait's set-up. In a stream through a small ring (the default 256 KiB DMB)
+before the general wait's set-up. In a stream through a small ring (a 256 KiB DMB)
 the space known free runs out after every write or two while the reader frees more behind
 it, so a write that does not fit the known run looks at the consumer cursor once more before
 giving up the fast path; and a read larger than a piece stays on the fast path too, copied
@@ -194,7 +194,7 @@ class Channel(ChannelBase):
         Why: the run is what the last long call saw free, and a reader that keeps pace frees
         more behind it all the time; and a stream's writes reach the ring's end once a lap (a
         DMB's ring is 32 bytes short of its size, so 64 KiB writes do not tile it). Without
-        this look, most 64 KiB writes of a stream into the default 256 KiB DMB went the long
+        this look, most 64 KiB writes of a stream into a 256 KiB DMB went the long
         way, and a socket layer's long way around it, although they fitted."""
         if self._wr_shut or self._dead or self._closed or self._pflags & WRITE_BLOCKED:
             return 0

@@ -571,7 +571,7 @@ def _rcvbuf_hint(sock: _socket.socket) -> int:
     takes it for its RMB (``__smc_buf_create``: ``sk_rcvbuf / 2``, i.e. the value given to
     ``setsockopt``, capped at ``rmem_max``; rounded up to 16 KiB << n as
     ``smc_compress_bufsize``, at most 1 MiB). 0 when the program did not set it: then the
-    daemon's default applies (``buffers.default_size``, chosen by measurement, where the
+    daemon's default applies (``buffers.default_dmb_size``, chosen by measurement, where the
     kernel has ``net.smc.rmem``). An accepted socket inherits its listener's setting. Asking
     for exactly half of ``tcp_rmem[1]`` looks like no setting. ``SO_SNDBUF`` sizes nothing:
     the channel writes straight into the peer's DMB, as loopback-ism's no-copy send buffer

@@ -340,12 +340,22 @@ class BuffersConfig(_Section):
     max_dmb_size: Size = _doc(_bufsize_doc(SMC_DMB_MAX_EXP), default=1 << 20)
     min_rmb_size: Size = _doc(_bufsize_doc(SMC_RMB_MAX_EXP), default=16 << 10)
     max_rmb_size: Size = _doc(_bufsize_doc(SMC_RMB_MAX_EXP), default=512 << 10)
+    default_dmb_size: Size = _doc(
+        f"must be 16K << n and lie within the DMB size range {_SIZE_HINT}", default=1 << 20
+    )
+    """SMC-D (loopback-ism) DMB of a connection whose application set no SO_RCVBUF. 1 MiB by
+    measurement (bench/RESULTS.md): the smallest ring at which a stdlib program's 64 KiB writes
+    reach 80 % of this machine's shared-memory ceiling. Its pages are memfd holes until data
+    passes, and a same-host ring is not pinned, unlike an RMB. Left unset, it is clamped into
+    ``min_dmb_size``…``max_dmb_size``."""
     default_size: Size = _doc(
-        f"must be 16K << n and lie within both the DMB and the RMB size range {_SIZE_HINT}",
+        f"must be 16K << n and lie within the RMB size range {_SIZE_HINT}",
         default=256 << 10,
     )
+    """SMC-R RMB of a connection whose application set no SO_RCVBUF: registered (pinned) RDMA
+    memory for the connection's life, so it stays at 256 KiB, inside the kernel's 512 KiB."""
     pool_max_bytes: Size = _doc(
-        f"must be an integer ≥ 1M {_SIZE_HINT}", default=1 << 30, ge=1 << 20
+        f"must be an integer ≥ 1M {_SIZE_HINT}", default=4 << 30, ge=1 << 20
     )
     pool_max_buffers: Count = _doc("must be an integer between 1 and 65535", default=5000)
 
@@ -356,7 +366,7 @@ class BuffersConfig(_Section):
             raise _fail()
         return v
 
-    @field_validator("min_dmb_size", "max_dmb_size", mode="after")
+    @field_validator("min_dmb_size", "max_dmb_size", "default_dmb_size", mode="after")
     @classmethod
     def _dmb(cls, v: int) -> int:
         if not _is_bufsize(v, SMC_DMB_MAX_EXP):
@@ -384,13 +394,21 @@ class BuffersConfig(_Section):
                 self.max_rmb_size,
                 f"must be ≥ buffers.min_rmb_size ({_human(self.min_rmb_size)})",
             )
-        lo = max(self.min_dmb_size, self.min_rmb_size)
-        hi = min(self.max_dmb_size, self.max_rmb_size)
-        if not lo <= self.default_size <= hi:
+        # Unset, the default follows the range (max_dmb_size = "256K" alone stays valid).
+        explicit = "default_dmb_size" in self.model_fields_set
+        if explicit and not self.min_dmb_size <= self.default_dmb_size <= self.max_dmb_size:
+            raise _cross(
+                "default_dmb_size",
+                self.default_dmb_size,
+                "must lie within the DMB size range "
+                f"({_human(self.min_dmb_size)}…{_human(self.max_dmb_size)})",
+            )
+        if not self.min_rmb_size <= self.default_size <= self.max_rmb_size:
             raise _cross(
                 "default_size",
                 self.default_size,
-                f"must lie within both the DMB and the RMB size range ({_human(lo)}…{_human(hi)})",
+                "must lie within the RMB size range "
+                f"({_human(self.min_rmb_size)}…{_human(self.max_rmb_size)})",
             )
         if self.pool_max_bytes < max(self.max_dmb_size, self.max_rmb_size):
             raise _cross(
@@ -406,12 +424,13 @@ class QuotaConfig(_Section):
     """Per-user limits (the uid comes from SO_PEERCRED on the handoff socket); 0 = no limit.
 
     The defaults fit 1,024 connections of one user between its own processes at the default
-    buffer size: each connection holds two DMBs (one per half) of 256 KiB, so 2,048 DMBs and
-    512 MiB; that is half of ``buffers.pool_max_bytes``, so no single user can take the pool.
-    The bytes are nominal: a DMB's pages are resident only once data has passed through them."""
+    DMB size: each connection holds two DMBs (one per half) of 1 MiB, so 2,048 DMBs and 2 GiB;
+    that is half of ``buffers.pool_max_bytes``, so no single user can take the pool. The bytes
+    are nominal: a DMB's pages are resident only once data has passed through them, and a
+    released DMB is truncated before reuse."""
 
     buffer_bytes: Size = _doc(
-        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=512 << 20, ge=0
+        f"must be an integer ≥ 0 {_SIZE_HINT}; 0 = no limit", default=2 << 30, ge=0
     )
     connections: Count = _doc("must be an integer ≥ 0; 0 = no limit", default=2048, ge=0)
 

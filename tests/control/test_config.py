@@ -214,9 +214,17 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
             "buffers.max_dmb_size = 32768: must be ≥ buffers.min_dmb_size (64K)",
         ),
         (
-            '[buffers]\ndefault_size = "2M"\nmax_rmb_size = "4M"\n',
-            "buffers.default_size = 2097152: must lie within both the DMB and the RMB size "
-            "range (16K…1M)",
+            '[buffers]\ndefault_size = "1M"\n',
+            "buffers.default_size = 1048576: must lie within the RMB size range (16K…512K)",
+        ),
+        (
+            '[buffers]\ndefault_dmb_size = "1M"\nmax_dmb_size = "512K"\n',
+            "buffers.default_dmb_size = 1048576: must lie within the DMB size range (16K…512K)",
+        ),
+        (
+            '[buffers]\ndefault_dmb_size = "2M"\n',
+            'buffers.default_dmb_size = "2M": must be 16K << n and lie within the DMB size '
+            f"range {SIZE}",
         ),
         (
             "[timeouts]\nllc = 0\n",
@@ -323,7 +331,7 @@ def test_default_quota_fits_a_thousand_connections_of_one_user() -> None:
     cfg = load_config(None, env=NO_SESSION)
     pool = DmbPool.from_config(cfg)
     uid = 1000
-    size = cfg.buffers.default_size
+    size = cfg.buffers.default_dmb_size
     try:
         dmbs = [pool.register(uid, size) for _ in range(2 * 1000)]
         assert {d.size for d in dmbs} == {size}

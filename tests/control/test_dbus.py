@@ -254,9 +254,13 @@ def test_registry_changes_reach_subscribers(session_bus: DbusDaemon) -> None:
         assert changed_values(msg) == {"Connections": 1}
 
         # A link state change: PropertiesChanged with just State, and LinkStateChanged.
+        # (The link's own Connections change from add_smcr_objects may still be on its way:
+        # it is a separate PropertiesChanged, so wait for the one that carries State.)
         h.signals.clear()
         h.registry.set_link_state(0x100, 1, LinkState.ACTIVE)
-        msg, waited = await h.wait_signal(props_changed(LINK, "org.smcd.Link1"))
+        msg, waited = await h.wait_signal(
+            lambda m: props_changed(LINK, "org.smcd.Link1")(m) and "State" in m.body[1]
+        )
         assert changed_values(msg) == {"State": "ACTIVE"} and waited < SIGNAL_TIMEOUT
         msg, _ = await h.wait_signal(is_signal("LinkStateChanged", "/org/smcd"))
         assert msg.interface == MANAGER and msg.body == [LINK, "ACTIVATING", "ACTIVE"]

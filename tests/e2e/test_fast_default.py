@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
 SMC_RUN = REPO / ".venv" / "bin" / "smc-run"
 PYTHON = REPO / ".venv" / "bin" / "python"
-DEFAULT_DMB = 256 << 10
-"""buffers.default_size: the DMB an unconfigured smcd gives a program that sets no SO_RCVBUF."""
+DEFAULT_DMB = 1 << 20
+"""buffers.default_dmb_size: the DMB an unconfigured smcd gives a program that sets no SO_RCVBUF."""
 
 SERVER = r"""
 import hashlib, socket, sys, time
@@ -243,7 +243,7 @@ def _conn_sizes(daemon: PrivateSmcd, port: int) -> dict[str, dict[str, int]]:
     ("server_rcvbuf", "client_rcvbuf", "client_sndbuf", "server_dmb", "client_dmb"),
     [
         (0, 0, 0, DEFAULT_DMB, DEFAULT_DMB),  # nothing set: the measured default
-        (1 << 20, 0, 0, 1 << 20, DEFAULT_DMB),  # the listener's SO_RCVBUF, inherited by accept
+        (256 << 10, 0, 0, 256 << 10, DEFAULT_DMB),  # the listener's SO_RCVBUF, inherited by accept
         (0, 100_000, 0, DEFAULT_DMB, 128 << 10),  # rounded up to 16 KiB << n, as the kernel
         (0, 16 << 10, 0, DEFAULT_DMB, 16 << 10),  # the smallest class
         (0, 0, 1 << 20, DEFAULT_DMB, DEFAULT_DMB),  # SO_SNDBUF sizes nothing on loopback-ism

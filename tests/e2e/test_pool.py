@@ -49,7 +49,7 @@ def test_mapped_dmbs_are_pool_buffers_reused_zeroed_and_never_shared(smcd: Smcd,
     server, client, _ = pair(apps)
     first = _dmbs(client)
     assert len(first) == 2 and _dmbs(server).keys() == first.keys()
-    assert all(d["size"] == 256 << 10 and d["nonzero"] == 0 for d in first.values())
+    assert all(d["size"] == 1 << 20 and d["nonzero"] == 0 for d in first.values())
     assert first.keys() <= smcd.fds()["inodes"]
     _exchange(server, client)
     assert all(d["nonzero"] > 60_000 for d in _dmbs(client).values())  # data in both rings

@@ -152,7 +152,7 @@ def test_outcomes_from_config_sizes() -> None:
     from smcd_daemon.config import Config
 
     w = World()
-    cfg = Config.model_validate({"buffers": {"default_size": "128K"}})
+    cfg = Config.model_validate({"buffers": {"default_dmb_size": "128K"}})
     facts = NegotiationFacts.from_config(cfg, w.eids, w.dev.ism_device(), hostname="h" * 40)
     assert facts.wire_hostname == "h" * 32
     c, s = w.client(facts), w.server(facts)

@@ -182,7 +182,7 @@ class NegotiationFacts:
     ) -> NegotiationFacts:
         """From a :class:`smcd_daemon.config.Config` (``modes``, ``buffers``, ``timeouts``)."""
         buffers = config.buffers  # type: ignore[attr-defined]
-        size = min(max(buffers.default_size, buffers.min_dmb_size), buffers.max_dmb_size)
+        size = min(max(buffers.default_dmb_size, buffers.min_dmb_size), buffers.max_dmb_size)
         return cls(
             eids=eids,
             loopback=loopback,
