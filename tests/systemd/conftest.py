@@ -7,10 +7,11 @@ the host shows each as ``test_in_systemd_vm[<name>]``.
 from __future__ import annotations
 
 import subprocess
+import warnings
 
 import pytest
 
-from tests.systemd.harness import REPO, SystemdVmRun, boot
+from tests.systemd.harness import REPO, GuestRebooted, SystemdVmRun, boot
 from tests.vm.kernel import KernelError, ensure_kernel
 
 collect_ignore = ["guest"]
@@ -34,4 +35,7 @@ def systemd_vm(tmp_path_factory: pytest.TempPathFactory) -> SystemdVmRun:
     except KernelError as e:
         run.error = f"cannot get the VM kernel: {e}"
         return run
-    return boot(kernel, outdir)
+    run = boot(kernel, outdir)
+    for why in run.reboots:  # in the summary of every run that needed a second boot
+        warnings.warn(GuestRebooted(why), stacklevel=1)
+    return run

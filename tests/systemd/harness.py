@@ -62,12 +62,20 @@ class Outcome:
     text: str = ""
 
 
+class GuestRebooted(UserWarning):
+    """The systemd VM ended before its tests did, and a second boot ran them all again."""
+
+
 @dataclass
 class SystemdVmRun:
     outdir: Path
     error: str | None = None
     elapsed: float = 0.0
     results: dict[str, Outcome] = field(default_factory=dict)
+    exited: bool = False
+    """vng ended by itself (not killed by the harness for its timeout)."""
+    reboots: list[str] = field(default_factory=list)
+    """Why a second boot ran (the first boot's console tail), for a GuestRebooted warning."""
 
     def tail(self, name: str, lines: int = 60) -> str:
         try:
@@ -169,8 +177,44 @@ def _install_units(before: set[str], proc: subprocess.Popen[bytes], timeout: flo
     raise VmError(f"vng created no unit directory under {GUEST_CACHE_ROOT} within {timeout} s")
 
 
+def _unfinished(run: SystemdVmRun) -> list[str]:
+    """Guest tests without a final outcome: never started, or started and never reported."""
+    return [
+        name
+        for name in guest_test_names()
+        if run.results.get(name, Outcome()).outcome not in ("passed", "failed")
+    ]
+
+
 def boot(kernel: KernelTree, outdir: Path, timeout: int | None = None) -> SystemdVmRun:
+    """Boot the VM, run every guest test, return what came back (never raises for a VM that
+    misbehaves: ``SystemdVmRun.error`` says why, and every test fails with it).
+
+    A VM that ends by itself before its tests did (the emulated kernel panicked, qemu died, PID
+    1 never reached the test unit) is booted once more, for all of them: they are one sequence
+    on one installation (install first, uninstall last), so there is no "rest" to run alone.
+    The first boot's console tail goes to ``reboot.txt`` and ``SystemdVmRun.reboots`` (a
+    ``GuestRebooted`` warning in the summary). A run the harness killed for its timeout is not
+    repeated: a hang would hang again, for as long once more."""
     timeout = timeout or int(os.environ.get("SMCD_SYSTEMD_VM_TIMEOUT", DEFAULT_TIMEOUT))
+    run = _boot_once(kernel, outdir, timeout)
+    left = _unfinished(run)
+    if not run.exited or not left:
+        return run
+    why = (
+        f"the systemd VM ended after {run.elapsed:.0f} s with {len(left)} guest tests unfinished "
+        f"({', '.join(left[:3])}{', …' if len(left) > 3 else ''}; {run.error or 'no error'}); "
+        "a second boot ran them all.\n"
+        f"--- first boot's console (last lines) ---\n{run.tail('console.log', 80)}\n"
+    )
+    (outdir / "reboot.txt").write_text(why)
+    again = _boot_once(kernel, outdir / "reboot", timeout)
+    again.reboots.append(why)
+    again.elapsed += run.elapsed
+    return again
+
+
+def _boot_once(kernel: KernelTree, outdir: Path, timeout: int) -> SystemdVmRun:
     outdir.mkdir(parents=True, exist_ok=True)
     os.chmod(outdir, 0o777)  # guest tests run parts as nobody and write logs here
     run = SystemdVmRun(outdir)
@@ -195,6 +239,7 @@ def boot(kernel: KernelTree, outdir: Path, timeout: int | None = None) -> System
         try:
             _install_units(before, proc)
             proc.wait(timeout=timeout)
+            run.exited = True
         except VmError as e:
             run.error = str(e)
         except subprocess.TimeoutExpired:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.systemd.harness import DEFAULT_TIMEOUT, SystemdVmRun, guest_test_names
 
-pytestmark = pytest.mark.timeout(DEFAULT_TIMEOUT + 900)
+pytestmark = pytest.mark.timeout(2 * DEFAULT_TIMEOUT + 900)  # wheels, a boot, a second boot
 
 
 @pytest.mark.parametrize("name", guest_test_names())

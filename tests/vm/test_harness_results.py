@@ -99,3 +99,54 @@ def test_no_second_boot_without_time_for_it(
     run = harness.boot_and_test(KernelTree(version="?", root=tmp_path), tmp_path, [], timeout=900)
     assert boots == [[]]
     assert run.running == CUT and run.results[CUT].outcome == "error"
+
+
+def _systemd_boots(
+    monkeypatch: pytest.MonkeyPatch, first: systemd_harness.SystemdVmRun
+) -> list[Path]:
+    """Stand in for the systemd harness's single boot: ``first``, then a boot that runs all."""
+    boots: list[Path] = []
+
+    def boot(kernel: KernelTree, outdir: Path, timeout: int) -> systemd_harness.SystemdVmRun:
+        boots.append(outdir)
+        if len(boots) == 1:
+            return first
+        run = systemd_harness.SystemdVmRun(outdir=outdir, elapsed=50.0, exited=True)
+        for name in systemd_harness.guest_test_names():
+            run.results[name] = systemd_harness.Outcome("passed")
+        return run
+
+    monkeypatch.setattr(systemd_harness, "_boot_once", boot)
+    return boots
+
+
+def test_a_systemd_vm_that_ended_early_is_booted_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its tests are one sequence on one installation, so the second boot runs them all."""
+    names = systemd_harness.guest_test_names()
+    first = systemd_harness.SystemdVmRun(outdir=tmp_path, elapsed=300.0, exited=True)
+    first.results[names[0]] = systemd_harness.Outcome("passed")
+    first.results[names[1]] = systemd_harness.Outcome("started (never finished)")
+    (tmp_path / "console.log").write_text("Kernel panic - not syncing\n")
+    boots = _systemd_boots(monkeypatch, first)
+    run = systemd_harness.boot(KernelTree(version="?", root=tmp_path), tmp_path, timeout=900)
+    assert boots == [tmp_path, tmp_path / "reboot"]
+    assert all(run.results[n].outcome == "passed" for n in names)
+    assert run.elapsed == 350.0 and len(run.reboots) == 1
+    assert names[1] in run.reboots[0] and "Kernel panic" in run.reboots[0]
+    assert (tmp_path / "reboot.txt").read_text() == run.reboots[0]
+
+
+@pytest.mark.parametrize("exited", [True, False])
+def test_a_finished_or_killed_systemd_vm_is_not_booted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exited: bool
+) -> None:
+    """A run whose tests all reported (failures included) stands; so does one the harness
+    killed for its timeout, which a second boot would only repeat."""
+    first = systemd_harness.SystemdVmRun(outdir=tmp_path, elapsed=300.0, exited=exited)
+    for name in systemd_harness.guest_test_names():
+        first.results[name] = systemd_harness.Outcome("failed" if exited else "not run")
+    boots = _systemd_boots(monkeypatch, first)
+    run = systemd_harness.boot(KernelTree(version="?", root=tmp_path), tmp_path, timeout=900)
+    assert boots == [tmp_path] and run is first and not run.reboots
