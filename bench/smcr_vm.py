@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import itertools
 import json
 import os
 import socket
@@ -71,6 +72,8 @@ from tests.vm.topology import ports_of  # noqa: E402
 SERVER = "192.0.2.2"
 CLIENT = "192.0.2.1"
 PORT = 47390
+"""The first measurement's port; each later one takes the next (see :meth:`Pair.run`)."""
+_ports = itertools.count(PORT)
 UEID = "SMCD-BENCH-RDMA"
 KINDS = ("tcp", "smcr", "kernel")
 RATIOS = (("smcr", "tcp"), ("kernel", "tcp"), ("smcr", "kernel"))
@@ -273,29 +276,30 @@ def _libc_call(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def kernel_listen(bufsize: int) -> socket.socket:
-    """An AF_SMC listener on the bench port. The previous measurement's AF_SMC listener may
-    still hold the port for a while after its process exited (the kernel releases its TCP
-    listener from a work item, slow under TCG), so EADDRINUSE is retried for a bounded time."""
+def kernel_listen(bufsize: int, port: int) -> socket.socket:
+    """An AF_SMC listener on ``port``. Each measurement has a port of its own, because an
+    AF_SMC listener may hold its port long after its process exited (the kernel releases its
+    TCP listener from a work item, slow under TCG: in one CI run over 60 s, which failed the
+    next three rows on the shared port); EADDRINUSE is still retried for a bounded time."""
     sock = _af_smc(bufsize)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     deadline = time.monotonic() + BIND_WAIT
-    while _libc.bind(sock.fileno(), _sockaddr(SERVER, PORT), 16) < 0:
+    while _libc.bind(sock.fileno(), _sockaddr(SERVER, port), 16) < 0:
         err = ctypes.get_errno()
         if err != errno.EADDRINUSE or time.monotonic() > deadline:
             sock.close()
-            raise OSError(err, f"bind AF_SMC {SERVER}:{PORT}: {os.strerror(err)}")
+            raise OSError(err, f"bind AF_SMC {SERVER}:{port}: {os.strerror(err)}")
         time.sleep(0.2)
     sock.listen(64)
     return sock
 
 
-def kernel_dial(bufsize: int) -> socket.socket:
+def kernel_dial(bufsize: int, port: int) -> socket.socket:
     """connect() of an AF_SMC socket: the TCP handshake and the whole CLC exchange."""
     sock = _af_smc(bufsize)
     try:
         _libc_call(_libc.bind(sock.fileno(), _sockaddr(CLIENT, 0), 16), "bind AF_SMC")
-        _libc_call(_libc.connect(sock.fileno(), _sockaddr(SERVER, PORT), 16), "connect AF_SMC")
+        _libc_call(_libc.connect(sock.fileno(), _sockaddr(SERVER, port), 16), "connect AF_SMC")
     except BaseException:
         sock.close()
         raise
@@ -333,16 +337,17 @@ class Pair:
         res: Results | None = None,
     ) -> None:
         self.kind, self.a, self.b, self.dmb_size, self.res = kind, a, b, dmb_size, res
+        self.port = PORT  # set anew by every run()
 
     def dial(self, check: bool = True) -> socket.socket:
         """A connected socket on this pair's transport; ``check=False`` leaves the kernel's
         smc_diag look-up to :meth:`check` (so a connect time does not include it)."""
         if self.kind == "kernel":
-            sock = kernel_dial(self.dmb_size)
+            sock = kernel_dial(self.dmb_size, self.port)
             if check:
                 self.check(sock)
             return sock
-        sock = socket.create_connection((SERVER, PORT), 60, source_address=(CLIENT, 0))
+        sock = socket.create_connection((SERVER, self.port), 60, source_address=(CLIENT, 0))
         if self.kind == "tcp":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
@@ -371,7 +376,7 @@ class Pair:
     def listen(self) -> Callable[[], socket.socket]:
         """In the child: the listener's accept function."""
         if self.kind == "kernel":
-            ksock = kernel_listen(self.dmb_size)
+            ksock = kernel_listen(self.dmb_size, self.port)
 
             def accept_kernel() -> socket.socket:
                 conn, _ = ksock.accept()
@@ -381,7 +386,7 @@ class Pair:
                 return conn
 
             return accept_kernel
-        lsock = socket.create_server((SERVER, PORT), backlog=64)
+        lsock = socket.create_server((SERVER, self.port), backlog=64)
         if self.kind == "tcp":
 
             def accept_tcp() -> socket.socket:
@@ -406,7 +411,9 @@ class Pair:
         self, client: Callable[[Pair], T], server: Callable[[Callable[[], socket.socket]], None]
     ) -> T:
         """Fork; the child (B's daemon) runs ``server(accept)``, the parent (A's) returns
-        ``client(self)``."""
+        ``client(self)``. Every run listens on a port of its own (what a previous run's
+        listener left behind cannot stop it)."""
+        self.port = next(_ports)
 
         def setup() -> Callable[[], socket.socket]:
             os.environ["SMCD_HANDOFF_SOCKET"] = str(self.b.handoff_socket)
