@@ -193,3 +193,43 @@ def test_own_client_half_refused_too_declines_and_the_server_half_takes_it(
     assert got["after_decline"], got
     assert bytes.fromhex(got["data"]) == DATA, got
     assert client["banner_s"] < PROPOSAL_WAIT / 2, (client, log[-3000:])
+
+
+NOBODY = 65534
+
+
+def test_own_client_half_not_refused_falls_back_at_once_with_its_refused_server_half(
+    capped: Host, net: Net
+) -> None:
+    """The server half is refused at the gate (its user's cap); the client half belongs to
+    another user, is not refused, and is smcd's own, parked for its server half. Told at once
+    that the server half fell back, it sends no CLC byte, so the refused server half waits
+    for no Proposal either: both applications get the plain stream without any CLC timer
+    (before, the server half waited ``proposal_wait`` for a Proposal that could not come)."""
+    for d in (net.work, capped.run):  # the work dirs are private to root
+        os.chmod(d, os.stat(d).st_mode | 0o005)
+    app, port = server_app(capped)
+    try:
+        argv = ["ip", "netns", "exec", capped.ns, "setpriv", f"--reuid={NOBODY}",
+                f"--regid={NOBODY}", "--clear-groups", os.fspath(PYTHON), "-c", CLIENT_APP,
+                ADDR_B, str(port), BANNER.decode(), DATA.hex()]  # fmt: skip
+        cli = subprocess.run(argv, capture_output=True, text=True, env=capped.env, timeout=120)
+        assert cli.returncode == 0, cli.stderr
+        (line,) = [ln for ln in cli.stdout.splitlines() if ln.startswith("CLIENT ")]
+        client = json.loads(line[len("CLIENT ") :])
+        got = report(app, "CONN")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    log = capped.proc.log()
+    # the client half was not refused: it fell back because its server half did, before CLC
+    assert client["mode"] == "tcp" and not client["after_decline"], (client, log[-3000:])
+    assert "server half fell back" in client["why"], client
+    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
+    # the server half: its own refusal, no CLC crossed, the client's bytes exactly
+    assert got["name"] == "SMC_CLC_DECL_MAX_DMB" and not got["after_decline"], (got, log[-3000:])
+    assert "limits.connections_per_user" in got["why"], got
+    assert bytes.fromhex(got["data"]) == DATA, got
+    # and nobody waited for a CLC timer: the banner came before half a proposal_wait
+    assert client["banner_s"] < PROPOSAL_WAIT / 2, (client, log[-3000:])

@@ -89,3 +89,27 @@ def test_fell_back_entries_expire_oldest_first_and_the_table_stays_bounded(
     monkeypatch.setattr(arrivals.time, "monotonic", lambda: 1e12)  # KEEP passed for all
     arr.server_in((99, 100))  # expiry runs: every fallen-back entry goes, the new one stays
     assert len(arr) == 1
+
+
+def test_server_gone_says_whether_it_told_a_waiting_client_half() -> None:
+    """A refused server half skips its wait for a Proposal exactly when our own client half
+    was parked for it (told now, it sends no CLC byte); a client half not here yet, or one
+    past waiting, may still have something on the wire."""
+
+    async def run() -> None:
+        arr = Arrivals()
+        waiting = asyncio.create_task(arr.wait_server(KEY, 5.0))
+        await asyncio.sleep(0.05)
+        assert arr.server_gone(KEY, fell_back=True, why="DAEMON_BUSY") is True
+        why = await asyncio.wait_for(waiting, 1.0)
+        assert why is not None and "fell back" in why
+        # nobody parked: a client half arriving later reads FELL_BACK, but nothing was told now
+        other: PairKey = ((A, 40003, 0), (A, 8080, 0))
+        assert arr.server_gone(other, fell_back=True, why="DAEMON_BUSY") is False
+        assert "fell back" in (await arr.wait_server(other, 0.1) or "")
+        # a server half that ends otherwise tells no one (nothing parked either)
+        third: PairKey = ((A, 40004, 0), (A, 8080, 0))
+        arr.server_in(third)
+        assert arr.server_gone(third, fell_back=False) is False
+
+    asyncio.run(run())

@@ -109,20 +109,24 @@ class Arrivals:
         entry = self._entries.get(key)
         return entry is not None and entry.state is ServerHalf.PROPOSED
 
-    def server_gone(self, key: PairKey, *, fell_back: bool, why: str = "") -> None:
+    def server_gone(self, key: PairKey, *, fell_back: bool, why: str = "") -> bool:
         """The server half's handshake ended: handed back without CLC (``fell_back``) or
-        otherwise. Kept :data:`KEEP` seconds for a late client half."""
+        otherwise. Kept :data:`KEEP` seconds for a late client half. True when a client half
+        of ours was waiting for it: told now, it falls back without a CLC byte, so a refused
+        server half need not wait for a Proposal from it."""
         entry = self._entries.pop(key, None)
         if not fell_back and (entry is None or not entry.waiters):
-            return  # nothing to tell a client half; the 4-tuple is free for the next one
+            return False  # nothing to tell a client half; the 4-tuple is free for the next one
         if entry is None:
             entry = _Entry(ServerHalf.DONE)
         entry.state = ServerHalf.FELL_BACK if fell_back else ServerHalf.DONE
         entry.why = why
         entry.expires = time.monotonic() + KEEP
         self._entries[key] = entry  # the newest at the end: expiry goes oldest first
+        told = any(not fut.done() for fut in entry.waiters)
         self._wake(entry)
         self._expire()
+        return told
 
     # -- the client half --------------------------------------------------------------------
 

@@ -274,7 +274,10 @@ def _answer(conn: socket.socket, denied: Denied, srv: HandoffServer | None = Non
                 if refused_connect(srv.detection, fds[0], reply.code):
                     reply = fallback_message(reply.code, denied.detail, after_decline=True)
             elif srv is not None and fds and isinstance(msg, m.Accept):
-                later = refused_accept(srv, conn, fds[0], reply)
+                # our own client half, if parked for this server half, falls back without a
+                # byte once told: then no Proposal is coming and the answer goes out at once
+                told = srv.handshakes.server_refused(fds[0], denied.detail)
+                later = not told and refused_accept(srv, conn, fds[0], reply)
                 if later:
                     fds = fds[1:]  # handed over with ``conn``
             m.close_fds(fds)

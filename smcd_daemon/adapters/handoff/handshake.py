@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import os
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -281,6 +282,21 @@ class Handshakes:
             **_ZERO_CURSORS,
         }
 
+    def server_refused(self, fd: int, why: str) -> bool:
+        """An ACCEPT refused at the gate (its accepted TCP socket ``fd``, no loop work): tell a
+        client half of ours parked for it, as a refused handshake does (:meth:`handoff`). True
+        when one was: it falls back without a CLC byte, so no Proposal is coming."""
+        sock = socket.socket(fileno=fd)
+        try:
+            try:
+                key: PairKey = (endpoint(sock.getpeername()), endpoint(sock.getsockname()))
+            except (OSError, PairingError):
+                return False
+            ident = connection_identity(sock, active=False)
+        finally:
+            sock.detach()
+        return self.arrivals.server_gone(ident or key, fell_back=True, why=why)
+
     async def handoff(self, client: Client, req: m.Connect | m.Accept, fd: int) -> bool:
         """Run one handoff to its reply; True if the connection now holds a channel half."""
         srv = self._srv
@@ -306,14 +322,20 @@ class Handshakes:
         assert srv.loop is not None
         denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
         if denied is not None:  # before any CLC byte: the stream is the application's
-            if role is ConnRole.SERVER:
-                self.arrivals.server_gone(key, fell_back=True, why=denied.detail)
+            # Our own client half, parked for this server half, learns it fell back and sends
+            # nothing: no Proposal is coming, so the refusal does not wait for one.
+            ours = role is ConnRole.SERVER and self.arrivals.server_gone(
+                key, fell_back=True, why=denied.detail
+            )
             warn.info(f"busy-{denied.refusal.name.lower()}", "handoff: %s: %s refused: %s",
                       client.label, req.TYPE.name, denied.detail)  # fmt: skip
             fb = fallback_for(denied)  # a peer that showed the SMC option is declined (#11)
             try:
-                out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
-                                           code=fb.code, detail=denied.detail)  # fmt: skip
+                if ours:
+                    out, reset = FallbackOutcome(fb.code, None, True, denied.detail), False
+                else:
+                    out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
+                                               code=fb.code, detail=denied.detail)  # fmt: skip
             finally:
                 tcp.close()
             return self.reply_fallback(client, draft, out, aborted=reset)

@@ -25,7 +25,9 @@ every fallback it decides before the Proposal (a refusal at the gate, admission,
   a configured peer and for a same-host client. A same-host client may be this daemon's own
   client half, which sends nothing when it learns that its server half fell back
   (:mod:`.arrivals`), or declines first when it is refused itself (:func:`refused_connect`: the
-  wait ends on that Decline); a kernel client proposes right after its TCP handshake. One that
+  wait ends on that Decline); when it is already parked for its server half, the refusal tells
+  it and does not wait at all (``Arrivals.server_gone`` says so); a kernel client proposes
+  right after its TCP handshake. One that
   proposes after the wait is answered by the library's first read
   (``smc_handoff.handoff.answer_late_proposal``). Without this a refused server half (cap,
   admission, gate) would hand its application a stream whose first bytes are a Proposal (#14).
