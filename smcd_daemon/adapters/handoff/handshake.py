@@ -50,7 +50,7 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
@@ -131,6 +131,18 @@ def _routed_out(service: SmcrService, local: IpAddress, peer: IpAddress) -> bool
         return False
     dev = service.routing.netdev(route.oif)
     return dev is not None and dev.name != "lo"
+
+
+def pair_key(sock: socket.socket, local: Any, peer: Any, *, client: bool) -> PairKey:
+    """The key both halves of a same-host connection meet by (:mod:`.arrivals`, the loopback
+    sessions): the kernel's identity of the connection (its two ISNs, .tcp_identity), which
+    holds across namespaces and DNAT where addresses do not; else the (client, server)
+    endpoints. ``local``/``peer`` are this half's ``getsockname()``/``getpeername()``."""
+    ends = (endpoint(local), endpoint(peer))
+    ident = connection_identity(sock, active=client)
+    if ident is not None:
+        return ident
+    return ends if client else (ends[1], ends[0])
 
 
 class Handshakes:
@@ -288,14 +300,12 @@ class Handshakes:
         when one was: it falls back without a CLC byte, so no Proposal is coming."""
         sock = socket.socket(fileno=fd)
         try:
-            try:
-                key: PairKey = (endpoint(sock.getpeername()), endpoint(sock.getsockname()))
-            except (OSError, PairingError):
-                return False
-            ident = connection_identity(sock, active=False)
+            key = pair_key(sock, sock.getsockname(), sock.getpeername(), client=False)
+        except (OSError, PairingError):
+            return False
         finally:
             sock.detach()
-        return self.arrivals.server_gone(ident or key, fell_back=True, why=why)
+        return self.arrivals.server_gone(key, fell_back=True, why=why)
 
     async def handoff(self, client: Client, req: m.Connect | m.Accept, fd: int) -> bool:
         """Run one handoff to its reply; True if the connection now holds a channel half."""
@@ -312,13 +322,7 @@ class Handshakes:
         except PairingError as e:
             tcp.close()
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
-        ends = (endpoint(tcp.local), endpoint(tcp.peer))
-        key: PairKey = ends if role is ConnRole.CLIENT else (ends[1], ends[0])
-        # Addresses repeat across namespaces and change under DNAT: where the kernel tells us
-        # the connection's identity (its two ISNs), the halves meet by that (.tcp_identity).
-        ident = connection_identity(tcp.sock, active=role is ConnRole.CLIENT)
-        if ident is not None:
-            key = ident
+        key = pair_key(tcp.sock, tcp.local, tcp.peer, client=role is ConnRole.CLIENT)
         assert srv.loop is not None
         denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
         if denied is not None:  # before any CLC byte: the stream is the application's
@@ -331,11 +335,9 @@ class Handshakes:
                       client.label, req.TYPE.name, denied.detail)  # fmt: skip
             fb = fallback_for(denied)  # a peer that showed the SMC option is declined (#11)
             try:
-                if ours:
-                    out, reset = FallbackOutcome(fb.code, None, True, denied.detail), False
-                else:
-                    out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
-                                               code=fb.code, detail=denied.detail)  # fmt: skip
+                out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
+                                           code=fb.code, detail=denied.detail,
+                                           client_told=ours)  # fmt: skip
             finally:
                 tcp.close()
             return self.reply_fallback(client, draft, out, aborted=reset)

@@ -143,14 +143,23 @@ def proposal_due(srv: HandoffServer, fd: int, peer: str) -> float | None:
 
 
 async def refused(
-    srv: HandoffServer, tcp: BorrowedTcp, *, server: bool, code: int, detail: str
+    srv: HandoffServer,
+    tcp: BorrowedTcp,
+    *,
+    server: bool,
+    code: int,
+    detail: str,
+    client_told: bool = False,
 ) -> tuple[FallbackOutcome, bool]:
     """A handshake refused before any CLC byte (admission, a quota): its outcome, and whether
     the connection was reset (see the module docstring). A client half declines only toward a
     peer that showed the option (a configured peer that did not may run no SMC at all: a Decline
-    would be data to it); a server half declines every Proposal that is due."""
+    would be data to it); a server half declines every Proposal that is due, unless its client
+    half is our own and was told it fell back (``client_told``): that one sends no CLC."""
     plain = FallbackOutcome(code, None, True, detail)
     if server:
+        if client_told:
+            return plain, False
         wait = proposal_due(srv, tcp.fd, tcp.peer[0])
         if wait is None:
             return plain, False
