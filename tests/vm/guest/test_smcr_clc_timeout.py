@@ -31,7 +31,7 @@ from tests.vm.guest.daemons import Daemon
 
 SERVER = "192.0.2.2"
 CLIENT = "192.0.2.1"
-PORT = 47331
+PORT = 47341  # its own: test_smcr_chaos listens on 47331
 CLC_WAIT = 4.0
 """Short for a test, long enough for TCG: the Proposal crosses in milliseconds."""
 EYECATCHER_R = b"\xe2\xd4\xc3\xd9"
