@@ -266,8 +266,13 @@ class SmcSocket(_BaseSocket):
     def _tcp_read(self, flags: int = 0) -> None:
         """Before a read in TCP mode: a server half's first read answers a late CLC Proposal
         (:func:`smc_handoff.handoff.answer_late_proposal`), so it never reaches the application."""
-        if self._clc_guard and answer_late_proposal(self, flags):
-            self._clc_guard = False
+        if not self._clc_guard:
+            return
+        if not answer_late_proposal(self, flags):
+            # nothing was there when it looked: the read must not go on to the socket, where
+            # the head of a Proposal arriving meanwhile would reach the application
+            raise _eagain()
+        self._clc_guard = False
 
     def _deadline(self, flags: int) -> float | None:
         """Absolute deadline for one call: 0.0 = non-blocking, None = forever."""
@@ -453,11 +458,15 @@ class SmcSocket(_BaseSocket):
 
     def recvmsg(self, *args: Any, **kwargs: Any) -> Any:
         if self._live() is None:
+            if self._clc_guard:
+                self._tcp_read(args[2] if len(args) > 2 else kwargs.get("flags", 0))
             return super().recvmsg(*args, **kwargs)
         raise OSError(errno.EOPNOTSUPP, "recvmsg is not supported on an SMC connection")
 
     def recvmsg_into(self, *args: Any, **kwargs: Any) -> Any:
         if self._live() is None:
+            if self._clc_guard:
+                self._tcp_read(args[2] if len(args) > 2 else kwargs.get("flags", 0))
             return super().recvmsg_into(*args, **kwargs)
         raise OSError(errno.EOPNOTSUPP, "recvmsg_into is not supported on an SMC connection")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,57 @@ def test_a_non_blocking_first_read_with_nothing_there_is_eagain_and_still_guarde
     assert isinstance(decode(client.recv(100)), Decline)
     client.sendall(b"x")
     reader.join(5)
+    client.close()
+    server.close()
+
+
+@pytest.mark.usefixtures("no_daemon")
+@pytest.mark.parametrize("read", ["recv", "recv_into", "recvfrom", "recvmsg"])
+def test_a_proposal_arriving_just_after_the_look_is_not_read_as_data(
+    read: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race behind a 1-in-40 CI failure: a non-blocking first read looked, found nothing,
+    and the Proposal's head arrived before the read itself, which then handed it to the
+    application. The window is held open here by sending the head inside it (the real look,
+    the real sockets); the read must say EAGAIN and leave the bytes for the next look."""
+    import _socket
+
+    import smc_handoff.socket as smc_socket
+
+    client, tcp = _pair()
+    server = smc_handoff.wrap(tcp, server_side=True)
+    server.setblocking(False)
+    real = smc_socket.answer_late_proposal
+    proposal = _proposal()
+
+    def look_then_the_head_arrives(sock: socket.socket, flags: int = 0) -> bool:
+        decided = real(sock, flags)
+        if not decided:
+            client.sendall(proposal)
+            deadline = time.monotonic() + 5
+            peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
+            while len(_socket.socket.recv(sock, len(proposal), peek)) < len(proposal):
+                assert time.monotonic() < deadline, "the Proposal never arrived"
+                time.sleep(0.001)
+        return decided
+
+    monkeypatch.setattr(smc_socket, "answer_late_proposal", look_then_the_head_arrives)
+    reads = {
+        "recv": lambda: server.recv(100),
+        "recv_into": lambda: server.recv_into(bytearray(100)),
+        "recvfrom": lambda: server.recvfrom(100),
+        "recvmsg": lambda: server.recvmsg(100),
+    }
+    with pytest.raises(BlockingIOError):
+        reads[read]()
+    monkeypatch.setattr(smc_socket, "answer_late_proposal", real)
+    client.settimeout(5)
+    with pytest.raises(BlockingIOError):
+        server.recv(100)  # the next look answers the whole Proposal; no data yet
+    assert isinstance(decode(client.recv(100)), Decline)
+    client.sendall(b"data")
+    server.settimeout(5)
+    assert server.recv(100) == b"data"
     client.close()
     server.close()
 
