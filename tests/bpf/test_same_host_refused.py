@@ -61,9 +61,20 @@ c.close()
 """
 
 CLIENT_APP = r"""
-import json, sys, time, smc_handoff
+import json, socket, sys, time, smc_handoff
+from smc_handoff import peer_option
 t0 = time.monotonic()
-s = smc_handoff.connect((sys.argv[1], int(sys.argv[2])), timeout=30)
+late = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+if late:  # connected at once, handed to smcd late: its server half is refused first
+    raw = socket.socket()
+    raw.settimeout(30)
+    if not peer_option.request_option(raw):
+        raise SystemExit("the detector did not take the mark")
+    raw.connect((sys.argv[1], int(sys.argv[2])))
+    time.sleep(late)
+    s = smc_handoff.wrap(raw)
+else:
+    s = smc_handoff.connect((sys.argv[1], int(sys.argv[2])), timeout=30)
 want = sys.argv[3].encode()
 got = b""
 while len(got) < len(want):
@@ -107,11 +118,11 @@ def server_app(host: Host, accept_after: float = 0.0) -> tuple[subprocess.Popen[
     return app, int(first.split()[1])
 
 
-def run_client(host: Host, port: int, *prefix: str) -> dict[str, Any]:
+def run_client(host: Host, port: int, *prefix: str, late: float = 0.0) -> dict[str, Any]:
     """CLIENT_APP in ``host``'s namespace (``prefix``: a command it runs under, e.g. setpriv),
-    to its end; what it printed."""
+    to its end; what it printed. ``late``: seconds between its connect and its handoff."""
     argv = ["ip", "netns", "exec", host.ns, *prefix, os.fspath(PYTHON), "-c", CLIENT_APP,
-            ADDR_B, str(port), BANNER.decode(), DATA.hex()]  # fmt: skip
+            ADDR_B, str(port), BANNER.decode(), DATA.hex(), str(late)]  # fmt: skip
     cli = subprocess.run(argv, capture_output=True, text=True, env=host.env, timeout=120)
     assert cli.returncode == 0, cli.stderr
     (line,) = [ln for ln in cli.stdout.splitlines() if ln.startswith("CLIENT ")]
@@ -216,9 +227,8 @@ def test_own_client_half_not_refused_falls_back_at_once_with_its_refused_server_
     (before, the server half waited ``proposal_wait`` for a Proposal that could not come)."""
     for d in (net.work, capped.run):  # the work dirs are private to root
         os.chmod(d, os.stat(d).st_mode | 0o005)
-    # The server accepts late, so the client half is parked in smcd when the refusal comes (a
-    # client half that arrives after it finds "fell back" and sends nothing too, but the
-    # refused server half cannot know that one is ours: it waits proposal_wait for it).
+    # The server accepts late, so the client half is parked in smcd when the refusal comes
+    # (the other order is the next test).
     app, port = server_app(capped, accept_after=ACCEPT_AFTER)
     try:
         setpriv = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
@@ -240,3 +250,36 @@ def test_own_client_half_not_refused_falls_back_at_once_with_its_refused_server_
     # and nobody waited for a CLC timer: the banner came within half a proposal_wait of the
     # accept (a wait would add all of it: PROPOSAL_WAIT, or clc_wait for the client)
     assert client["banner_s"] < ACCEPT_AFTER + PROPOSAL_WAIT / 2, (client, log[-3000:])
+
+
+HANDOFF_AFTER = 1.0
+
+
+def test_own_client_half_arriving_after_its_refused_server_half_ends_its_wait(
+    capped: Host, net: Net
+) -> None:
+    """The other order: the server half is refused before its client half reaches smcd (the
+    client connects, the server accepts and hands over at once, the client hands over 1 s
+    later). The refused server half must wait for a Proposal, since its client showed the
+    option and could be a kernel AF_SMC one; when the client half that arrives is smcd's own,
+    it reads the fall-back, sends no CLC byte, and that ends the server half's wait at once
+    (before, it waited all of ``proposal_wait``)."""
+    for d in (net.work, capped.run):  # the work dirs are private to root
+        os.chmod(d, os.stat(d).st_mode | 0o005)
+    app, port = server_app(capped)
+    try:
+        setpriv = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+        client = run_client(capped, port, *setpriv, late=HANDOFF_AFTER)
+        got = report(app, "CONN")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    log = capped.proc.log()
+    assert client["mode"] == "tcp" and not client["after_decline"], (client, log[-3000:])
+    assert "server half fell back" in client["why"], client
+    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
+    assert got["name"] == "SMC_CLC_DECL_MAX_DMB" and not got["after_decline"], (got, log[-3000:])
+    assert bytes.fromhex(got["data"]) == DATA, got
+    # the banner left once the client half had read the fall-back, not after proposal_wait
+    assert client["banner_s"] < HANDOFF_AFTER + PROPOSAL_WAIT / 2, (client, log[-3000:])

@@ -113,3 +113,30 @@ def test_server_gone_says_whether_it_told_a_waiting_client_half() -> None:
         assert arr.server_gone(third, fell_back=False) is False
 
     asyncio.run(run())
+
+
+def test_a_client_half_reading_the_fall_back_ends_its_refused_server_halfs_wait() -> None:
+    """The server half fell back before its client half came (no one was told): the refused
+    server half's wait for CLC ends when a client half of ours reads that, not before."""
+
+    async def run() -> None:
+        arr = Arrivals()
+        assert arr.heard(KEY) is None  # nothing fell back: nothing to hear
+        assert arr.server_gone(KEY, fell_back=True, why="a cap") is False
+        heard = arr.heard(KEY)
+        assert heard is not None
+        await asyncio.sleep(0.05)
+        assert not heard.done()
+        why = await arr.wait_server(KEY, 5.0)
+        assert why is not None and "fell back" in why and "a cap" in why
+        assert heard.done() and not heard.cancelled()
+        # a server half whose client is not ours hears nothing until its own wait ends
+        other: PairKey = ((A, 40001, 0), (A, 8080, 0))
+        arr.server_gone(other, fell_back=True)
+        lonely = arr.heard(other)
+        assert lonely is not None
+        await asyncio.sleep(0.05)
+        assert not lonely.done()
+        lonely.cancel()  # as decline_proposal does when its look ends first
+
+    asyncio.run(run())

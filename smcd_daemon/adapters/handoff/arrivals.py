@@ -13,7 +13,9 @@ arrive within ``timeouts.clc_wait``, the client falls back itself before any CLC
 The server half, in turn, never gives up on a Proposal that is known to be coming: when its
 peek finds none after ``timeouts.proposal_wait`` and the pair is *proposed*, it waits on
 (:meth:`Arrivals.proposed`); otherwise it marks the pair *fell back* first
-(:meth:`Arrivals.server_gone`), so a client arriving later does not propose. Both sides run
+(:meth:`Arrivals.server_gone`), so a client arriving later does not propose. A server half
+refused before its client half arrived waits for that client's CLC (it cannot know the client
+is ours) until a client half of ours reads the fall-back (:meth:`Arrivals.heard`). Both sides run
 on one event loop, so "mark, then write" on one side and "check, then decide" on the other
 cannot interleave: there is no window in which a Proposal lands in a stream handed back.
 
@@ -54,6 +56,7 @@ class _Entry:
     why: str = ""
     expires: float = 0.0  # 0: not before its server half's handshake ends
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    heard: list[asyncio.Future[None]] = field(default_factory=list)  # see Arrivals.heard
 
 
 class Arrivals:
@@ -128,6 +131,19 @@ class Arrivals:
         self._expire()
         return told
 
+    def heard(self, key: PairKey) -> asyncio.Future[None] | None:
+        """A refused server half that fell back before its same-host client half arrived, and
+        now waits for that client's CLC: a future done once a client half of ours has read the
+        fall-back (:meth:`wait_server`) and so sends no CLC byte, which ends the wait at once
+        instead of after ``proposal_wait``. None when ``key`` fell back for no one to read."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not ServerHalf.FELL_BACK:
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry.heard = [f for f in entry.heard if not f.done()]
+        entry.heard.append(fut)
+        return fut
+
     # -- the client half --------------------------------------------------------------------
 
     async def wait_server(self, key: PairKey, timeout: float) -> str | None:
@@ -145,6 +161,9 @@ class Arrivals:
                     entry.state = ServerHalf.PROPOSED
                     return None
                 if entry.state is ServerHalf.FELL_BACK:
+                    for told in entry.heard:  # this client sends no CLC: its server half
+                        if not told.done():  # need not wait for any
+                            told.set_result(None)
                     return f"the server half fell back before this client proposed: {entry.why}"
                 if entry.state is not ServerHalf.ABSENT:
                     return f"the server half already ended its handshake ({entry.state.value})"

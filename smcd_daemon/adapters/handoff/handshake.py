@@ -307,6 +307,15 @@ class Handshakes:
             sock.detach()
         return self.arrivals.server_gone(key, fell_back=True, why=why)
 
+    def client_heard(self, tcp: BorrowedTcp) -> asyncio.Future[None] | None:
+        """A refused server half on ``tcp``, past :meth:`server_refused`: done once a same-host
+        client half of ours reads that it fell back (:meth:`.arrivals.Arrivals.heard`)."""
+        try:
+            key = pair_key(tcp.sock, tcp.local, tcp.peer, client=False)
+        except (OSError, PairingError):
+            return None
+        return self.arrivals.heard(key)
+
     async def handoff(self, client: Client, req: m.Connect | m.Accept, fd: int) -> bool:
         """Run one handoff to its reply; True if the connection now holds a channel half."""
         srv = self._srv
@@ -335,9 +344,12 @@ class Handshakes:
                       client.label, req.TYPE.name, denied.detail)  # fmt: skip
             fb = fallback_for(denied)  # a peer that showed the SMC option is declined (#11)
             try:
+                heard = None
+                if role is ConnRole.SERVER and not ours:
+                    heard = self.arrivals.heard(key)
                 out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
                                            code=fb.code, detail=denied.detail,
-                                           client_told=ours)  # fmt: skip
+                                           client_told=ours, heard=heard)  # fmt: skip
             finally:
                 tcp.close()
             return self.reply_fallback(client, draft, out, aborted=reset)

@@ -26,8 +26,9 @@ every fallback it decides before the Proposal (a refusal at the gate, admission,
   client half, which sends nothing when it learns that its server half fell back
   (:mod:`.arrivals`), or declines first when it is refused itself (:func:`refused_connect`: the
   wait ends on that Decline); when it is already parked for its server half, the refusal tells
-  it and does not wait at all (``Arrivals.server_gone`` says so); a kernel client proposes
-  right after its TCP handshake. One that
+  it and does not wait at all (``Arrivals.server_gone`` says so); when it arrives later, it
+  reads the fall-back, sends nothing, and that ends the wait (``Arrivals.heard``); a kernel
+  client proposes right after its TCP handshake. One that
   proposes after the wait is answered by the library's first read
   (``smc_handoff.handoff.answer_late_proposal``). Without this a refused server half (cap,
   admission, gate) would hand its application a stream whose first bytes are a Proposal (#14).
@@ -98,12 +99,32 @@ def decline_now(fd: int, code: int) -> str | None:
 
 
 async def decline_proposal(
-    tcp: BorrowedTcp, code: int, detail: str, wait: float
+    tcp: BorrowedTcp,
+    code: int,
+    detail: str,
+    wait: float,
+    heard: asyncio.Future[None] | None = None,
 ) -> FallbackOutcome | None:
     """Server half refused before its Proposal (see the module docstring): the outcome, or None
-    when no CLC came within ``wait`` seconds (or other bytes, or EOF): the stream is untouched.
+    when no CLC came within ``wait`` seconds (or other bytes, or EOF), or ``heard`` was done
+    first (our own client half read the fall-back: no CLC is coming): the stream is untouched.
     Raises OSError/TimeoutError when the exchange broke off midway (the caller resets)."""
-    seen = await peek_proposal(tcp, wait)
+    if heard is None:
+        seen = await peek_proposal(tcp, wait)
+    else:  # the look only peeks: stopping it midway consumes nothing
+        look = asyncio.ensure_future(peek_proposal(tcp, wait))
+        try:
+            await asyncio.wait((look, heard), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not look.done():
+                look.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await look
+            if not heard.done():
+                heard.cancel()
+        if look.cancelled():
+            return None
+        seen = look.result()
     if seen.kind != "smc":
         return None
     head = await tcp.read_exactly(8, wait)
@@ -150,21 +171,25 @@ async def refused(
     code: int,
     detail: str,
     client_told: bool = False,
+    heard: asyncio.Future[None] | None = None,
 ) -> tuple[FallbackOutcome, bool]:
     """A handshake refused before any CLC byte (admission, a quota): its outcome, and whether
     the connection was reset (see the module docstring). A client half declines only toward a
     peer that showed the option (a configured peer that did not may run no SMC at all: a Decline
     would be data to it); a server half declines every Proposal that is due, unless its client
-    half is our own and was told it fell back (``client_told``): that one sends no CLC."""
+    half is our own and was told it fell back (``client_told``), or reads that it did when it
+    arrives (``heard``, :meth:`~.arrivals.Arrivals.heard`): that one sends no CLC."""
     plain = FallbackOutcome(code, None, True, detail)
     if server:
         if client_told:
             return plain, False
         wait = proposal_due(srv, tcp.fd, tcp.peer[0])
         if wait is None:
+            if heard is not None:
+                heard.cancel()
             return plain, False
         try:
-            out = await decline_proposal(tcp, code, detail, wait)
+            out = await decline_proposal(tcp, code, detail, wait, heard)
         except Exception as e:  # a broken exchange of any kind: reset
             reset_tcp(tcp.sock)
             return FallbackOutcome(code, None, True, f"{detail}; CLC broke off: {e!r}"), True
@@ -234,8 +259,9 @@ async def _accept_later(
         return
     try:
         out, _reset = await refused(
-            srv, tcp, server=True, code=reply.code, detail=reply.explanation
-        )
+            srv, tcp, server=True, code=reply.code, detail=reply.explanation,
+            heard=srv.handshakes.client_heard(tcp),
+        )  # fmt: skip
         tcp.close()
         crossed = out.declined or out.peer_diagnosis is not None
         answer = fallback_message(out.reason, out.detail, out.peer_diagnosis, after_decline=crossed)
