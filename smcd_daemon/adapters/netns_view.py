@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from smcd_daemon.adapters.tcp_identity import NetnsId, netns_name
+from smcd_daemon.adapters.tcp_identity import NOT_MOUNTED_HERE, NetnsId, named_netns, netns_name
 from smcd_daemon.core.devices import DeviceInventory, NetDevice
 from smcd_daemon.core.pnet import PnetError, PnetTable, validate_netns
 
@@ -137,7 +137,8 @@ def _scan_named(local: Target, peer: Target, skip: set[int]) -> Target | None:
     for name in names:
         path = os.path.join(_RUN_NETNS, name)
         try:
-            if os.stat(path).st_ino in skip:
+            ino = named_netns(path)
+            if ino is None or ino in skip:
                 continue
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -207,8 +208,11 @@ class NamespaceDevices:
     """Why the namespace could not be read ("" if it was)."""
 
 
-def _known(pids: Iterable[int], skip: int) -> dict[int, tuple[str, str]]:
-    """inode -> (``ip netns`` name, a path that opens the namespace), without ``skip``."""
+def _known(
+    pids: Iterable[int], skip: int, unseen: list[str] | None = None
+) -> dict[int, tuple[str, str]]:
+    """inode -> (``ip netns`` name, a path that opens the namespace), without ``skip``; the
+    names whose namespace is not mounted in ours go to ``unseen``."""
     found: dict[int, tuple[str, str]] = {}
     try:
         names = sorted(os.listdir(_RUN_NETNS))
@@ -217,8 +221,11 @@ def _known(pids: Iterable[int], skip: int) -> dict[int, tuple[str, str]]:
     for name in names:
         path = os.path.join(_RUN_NETNS, name)
         with contextlib.suppress(OSError):
-            ino = os.stat(path).st_ino
-            if ino != skip and ino not in found:
+            ino = named_netns(path)
+            if ino is None:
+                if unseen is not None:
+                    unseen.append(name)
+            elif ino != skip and ino not in found:
                 found[ino] = (name, path)
     for pid in sorted(set(pids)):
         if pid <= 0:
@@ -289,11 +296,11 @@ async def namespace_devices(pids: Iterable[int] = ()) -> list[NamespaceDevices]:
     excepted: the ones ``ip netns`` names and those of processes ``pids`` (the applications
     whose connections and listeners smcd holds, in namespaces a container runtime made and did
     not name). Joining a namespace needs CAP_SYS_ADMIN; one that cannot be read says why."""
-    known = _known(pids, own_netns())
-    if not known:
-        return []
+    unseen: list[str] = []
+    known = _known(pids, own_netns(), unseen)
     none: list[NamespaceDevices] = []
-    found = await _in_own_thread(lambda: _read_all(known), none)
+    found = await _in_own_thread(lambda: _read_all(known), none) if known else []
+    found += [NamespaceDevices(0, name, problem=NOT_MOUNTED_HERE) for name in unseen]
     return sorted(found, key=lambda n: (n.name == "", n.name, n.inode))
 
 
@@ -341,7 +348,7 @@ def pnet_netns(spec: str) -> str:
             )
         return key
     try:
-        ino = os.stat(os.path.join(_RUN_NETNS, key)).st_ino
+        named = named_netns(os.path.join(_RUN_NETNS, key))
     except OSError:
         if key == "host":  # as namespaces.groups spells smcd's own
             return ""
@@ -350,7 +357,10 @@ def pnet_netns(spec: str) -> str:
             f"{_RUN_NETNS}/{key}); give an `ip netns` name or an inode.",
             value=spec,
         ) from None
-    return "" if ino == own else key
+    if named is None:
+        raise PnetError(f"Network namespace {spec!r} is not usable: {NOT_MOUNTED_HERE}.",
+                        value=spec)  # fmt: skip
+    return "" if named == own else key
 
 
 @dataclass(frozen=True)

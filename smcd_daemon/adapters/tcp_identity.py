@@ -88,6 +88,30 @@ NetnsId = tuple[int, str]
 """(inode of the namespace, its ``ip netns`` name or "")."""
 
 
+_nsfs_dev: int | None = None
+
+
+def named_netns(path: str) -> int | None:
+    """The inode of the network namespace ``path`` (an ``ip netns`` file) is bound to in our
+    mount namespace; None when it is not one here. ``ip netns add`` creates an empty file and
+    binds the namespace onto it; a service with a mount namespace of its own (smcd.service:
+    ``PrivateMounts=``, ``ProtectSystem=``) may see the file without that mount, when the bind
+    did not propagate to it: the file's own inode is then no namespace's. Raises OSError when
+    ``path`` cannot be looked at."""
+    global _nsfs_dev
+    st = os.stat(path)
+    if _nsfs_dev is None:
+        _nsfs_dev = os.stat("/proc/self/ns/net").st_dev  # nsfs: one superblock for all
+    return st.st_ino if st.st_dev == _nsfs_dev else None
+
+
+NOT_MOUNTED_HERE = (
+    "its `ip netns` mount is not in smcd's mount namespace (named after smcd started, on a "
+    "host whose mounts do not propagate into the service: restart smcd to see it)"
+)
+"""Why a name of ``/run/netns`` that :func:`named_netns` does not resolve is not used."""
+
+
 def netns_name(inode: int) -> str:
     """The name ``ip netns`` knows the namespace ``inode`` by ("" if none)."""
     try:
@@ -96,7 +120,7 @@ def netns_name(inode: int) -> str:
         return ""
     for name in names:
         try:
-            if os.stat(os.path.join(RUN_NETNS, name)).st_ino == inode:
+            if named_netns(os.path.join(RUN_NETNS, name)) == inode:
                 return name
         except OSError:
             continue

@@ -159,3 +159,26 @@ def test_device_show_lists_devices_per_namespace(smcd: Smcd, namespaces: list[st
     finally:
         unnamed.kill()
         unnamed.wait(10)
+
+
+def test_a_netns_name_without_its_mount_is_reported_not_used(smcd: Smcd) -> None:
+    """``ip netns add`` creates an empty file and binds the namespace onto it; a service with a
+    mount namespace of its own may see the file without the bind (it did not propagate there:
+    seen in the systemd VM for a namespace named after smcd started). Such a name is shown with
+    why, and a PNET entry naming it is refused with why, not taken for a namespace."""
+    name = f"{PREFIX}unmounted"
+    path = f"/run/netns/{name}"
+    os.makedirs("/run/netns", exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0)  # as ip netns, before its bind
+    os.close(fd)
+    try:
+        shown = smcd.smcctl("device", "show")
+        assert shown.returncode == 0, shown.stderr
+        why = "its `ip netns` mount is not in smcd's mount namespace"
+        assert f"smcctl: network namespace {name}: {why}" in shown.stderr, shown.stderr
+        assert name not in shown.stdout, shown.stdout
+        refused = smcd.smcctl("pnet", "add", "NETU", "-I", "eth1", "--netns", name)
+        assert refused.returncode != 0 and why in refused.stderr, refused
+        assert "NETU" not in smcd.smcctl("pnet", "show").stdout
+    finally:
+        os.unlink(path)
