@@ -1,8 +1,8 @@
 """smcd installed with ``make install`` and run by systemd as PID 1, checked from inside a VM.
 
 Each guest test of ``guest/test_service.py`` (install, socket activation, notify, peer detection
-with exactly CAP_BPF and CAP_NET_ADMIN and without them, the netns drop-in, watchdog, reload, journal, D-Bus
-activation and policy, unprivileged use, stop, security score, uninstall)
+with exactly CAP_BPF and CAP_NET_ADMIN and without them, the netns drop-in, watchdog, reload,
+journal, D-Bus activation and policy, unprivileged use, stop, security score, uninstall)
 appears here as ``test_in_systemd_vm[<name>]`` and fails with the guest's failure text; a VM
 that could not run fails every one of them with the reason (never a skip).
 """
