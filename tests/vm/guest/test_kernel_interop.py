@@ -101,33 +101,7 @@ else:
 def say(*a):
     print(*a, flush=True)
 
-def recv_exact(s, n):
-    out = bytearray()
-    while len(out) < n:
-        b = s.recv(n - len(out))
-        if not b:
-            raise ConnectionError(f"EOF after {len(out)} of {n} bytes")
-        out += b
-    return bytes(out)
-
-def send_odd(s, data, sizes=(65521, 1, 4093, 131071, 777, 65549, 32768, 100003, 3)):
-    view, off, i = memoryview(data), 0, 0
-    while off < len(view):
-        k = sizes[i % len(sizes)]
-        s.sendall(view[off:off + k])
-        off += k
-        i += 1
-
-def recv_hash(s, n):
-    h, got, buf = hashlib.sha256(), 0, bytearray(1 << 17)
-    mv = memoryview(buf)
-    while got < n:
-        k = s.recv_into(mv, min(len(buf), n - got))
-        if not k:
-            break
-        h.update(mv[:k])
-        got += k
-    return h.hexdigest(), got
+from tests.vm.guest.streams import exchange_all, recv_exact, recv_hash, send_odd, serve_many
 
 def one():
     if role == "server":
@@ -192,59 +166,15 @@ elif action == "close":  # scenario args[0]: "first" (send, close) | "last" (rea
         say(json.dumps(res))
 elif action == "many":  # args[0] connections, each 70 KiB+ each way (crossing a 64 KiB ring)
     count = int(args[0])
-    results = {}
     if role == "server":
         srv = listen()
         say("LISTENING")
-        threads = []
-        def serve(c, peer_port):
-            r = {"mode": mode(c)}
-            try:
-                c.settimeout(240)
-                n = struct.unpack("!Q", recv_exact(c, 8))[0]
-                r["recv_sha"], r["received"] = recv_hash(c, n)
-                out = os.urandom(n + 1001)
-                r["sent_sha"] = hashlib.sha256(out).hexdigest()
-                c.sendall(bytes.fromhex(r["recv_sha"]) + struct.pack("!Q", len(out)))
-                send_odd(c, out, (40009, 1, 65537, 777))
-                r["eof"] = c.recv(1) == b""
-            except BaseException as e:
-                r["error"] = repr(e)
-            finally:
-                c.close()
-            results[peer_port] = r
-        for _ in range(count):
-            c, addr = srv.accept()
-            t = threading.Thread(target=serve, args=(c, addr[1]))
-            t.start()
-            threads.append(t)
-        for t in threads:
-            t.join(240)
-        say(json.dumps(results))
+        say(json.dumps(serve_many(srv, count, mode, timeout=240)))
     else:
-        from concurrent.futures import ThreadPoolExecutor
         socks = [dial() for _ in range(count)]
         say("OPEN", json.dumps(sorted({mode(s) for s in socks})))
         sys.stdin.readline()
-        def exchange(i):
-            s = socks[i]
-            s.settimeout(240)
-            r = {"port": s.getsockname()[1], "mode": mode(s)}
-            try:
-                data = os.urandom(70001 + 1009 * i)
-                r["sent_sha"] = hashlib.sha256(data).hexdigest()
-                s.sendall(struct.pack("!Q", len(data)))
-                send_odd(s, data, (30011, 7, 65536, 4099))
-                r["echo_sha"] = recv_exact(s, 32).hex()
-                n = struct.unpack("!Q", recv_exact(s, 8))[0]
-                r["recv_sha"], r["received"] = recv_hash(s, n)
-                r["expected"] = n
-            except BaseException as e:
-                r["error"] = repr(e)
-            return r
-        with ThreadPoolExecutor(count) as ex:
-            out = list(ex.map(exchange, range(count)))
-        say(json.dumps(out))
+        say(json.dumps(exchange_all(socks, mode, timeout=240)))
         sys.stdin.readline()
         for s in socks:
             s.close()

@@ -72,41 +72,9 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 SERVER = "192.0.2.2"
 CLIENT = "192.0.2.1"
 
-def note(text):
-    print(text, file=sys.stderr, flush=True)
-
-def recv_exact(s, n):
-    out = bytearray()
-    while len(out) < n:
-        b = s.recv(n - len(out))
-        if not b:
-            raise ConnectionError(f"EOF after {len(out)} of {n} bytes")
-        out += b
-    return bytes(out)
-
-def send_odd(s, data, sizes):
-    # odd-sized writes: every ring offset and every split at the wrap gets its turn
-    view, off, i = memoryview(data), 0, 0
-    while off < len(view):
-        k = sizes[i % len(sizes)]
-        s.sendall(view[off:off + k])
-        off += k
-        i += 1
-
-def recv_hash(s, n, chunk=1 << 17, progress=None):
-    h, got, mark = hashlib.sha256(), 0, 8 << 20
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
-    while got < n:
-        k = s.recv_into(mv, min(chunk, n - got))
-        if not k:
-            break
-        h.update(mv[:k])
-        got += k
-        if progress is not None and got >= mark:
-            note(f"{time.monotonic() - progress:.1f} s: {got >> 20} MiB received")
-            mark += 8 << 20
-    return h.hexdigest(), got
+from tests.vm.guest.streams import (
+    ODD_SIZES, exchange_all, note, recv_exact, recv_hash, send_odd, serve_many,
+)
 """
 
 BULK_APP = (
@@ -114,7 +82,6 @@ BULK_APP = (
     + r"""
 role, port, n_out, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 dmb = int(sys.argv[5])
-SIZES = (65521, 1, 4093, 131071, 777, 65549, 32768, 100003, 3)
 data = os.urandom(n_out)
 if role == "server":
     srv = smc_handoff.listen((SERVER, port), dmb_size=dmb)
@@ -127,7 +94,7 @@ t0 = time.monotonic()
 done = {}
 def sender():
     try:
-        send_odd(s, data, SIZES)
+        send_odd(s, data, ODD_SIZES)
         done["send_s"] = time.monotonic() - t0
     except BaseException as e:
         done["send_error"] = repr(e)
@@ -149,30 +116,7 @@ MANY_SERVER = (
 port, count = int(sys.argv[1]), int(sys.argv[2])
 srv = smc_handoff.listen((SERVER, port), backlog=128)
 print("LISTENING", flush=True)
-results, threads = {}, []
-def serve(c, peer_port):
-    r = {"mode": c.mode}
-    try:
-        n = struct.unpack("!Q", recv_exact(c, 8))[0]
-        r["recv_sha"], r["received"] = recv_hash(c, n)
-        out = os.urandom(n + 1001)
-        r["sent_sha"] = hashlib.sha256(out).hexdigest()
-        c.sendall(bytes.fromhex(r["recv_sha"]) + struct.pack("!Q", len(out)))
-        send_odd(c, out, (40009, 1, 65537, 777))
-        r["eof"] = c.recv(1) == b""
-    except BaseException as e:
-        r["error"] = repr(e)
-    finally:
-        c.close()
-    results[peer_port] = r
-for _ in range(count):
-    c, addr = srv.accept()
-    t = threading.Thread(target=serve, args=(c, addr[1]))
-    t.start()
-    threads.append(t)
-for t in threads:
-    t.join(240)
-print(json.dumps(results), flush=True)
+print(json.dumps(serve_many(srv, count, lambda c: c.mode)), flush=True)
 srv.close()
 """
 )
@@ -180,7 +124,6 @@ srv.close()
 MANY_CLIENT = (
     COMMON
     + r"""
-from concurrent.futures import ThreadPoolExecutor
 port, count = int(sys.argv[1]), int(sys.argv[2])
 T0 = time.monotonic()
 def dial(i=0):
@@ -195,24 +138,7 @@ sys.stdin.readline()
 socks += [dial(i) for i in range(count - 1)]
 print("OPEN " + json.dumps(sorted({s.mode for s in socks})), flush=True)
 sys.stdin.readline()
-def exchange(i):
-    s = socks[i]
-    r = {"port": s.getsockname()[1], "mode": s.mode}
-    try:
-        data = os.urandom(70001 + 1009 * i)  # all cross the 64 KiB ring's wrap
-        r["sent_sha"] = hashlib.sha256(data).hexdigest()
-        s.sendall(struct.pack("!Q", len(data)))
-        send_odd(s, data, (30011, 7, 65536, 4099))
-        r["echo_sha"] = recv_exact(s, 32).hex()
-        n = struct.unpack("!Q", recv_exact(s, 8))[0]
-        r["recv_sha"], r["received"] = recv_hash(s, n)
-        r["expected"] = n
-    except BaseException as e:
-        r["error"] = repr(e)
-    return r
-with ThreadPoolExecutor(count) as ex:
-    out = list(ex.map(exchange, range(count)))
-print(json.dumps(out), flush=True)
+print(json.dumps(exchange_all(socks, lambda s: s.mode)), flush=True)
 sys.stdin.readline()
 for s in socks:
     s.close()
