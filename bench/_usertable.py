@@ -214,6 +214,9 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             check=Check("<= 500 us", at_most("connect_p50", 500), cpu_above("smcd_cpu", 500)),
         ),
         URow("  bound: smcd CPU per connection", "smcd_cpu", "us", bound=True),
+        URow("  bound: minimal Python handoff chain", "conns_floor", "1/s", bound=True),
+        URow("  bound: minimal Python handoff chain, p50", "connect_floor", "us", bound=True),
+        URow("  bound: its broker's CPU per connection", "floor_cpu", "us", bound=True),
         URow(f"connections/s, {concurrency} at a time", "conns_n", "1/s"),
         URow(
             f"memory, {idle:,} idle connections",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import _ceiling
+import _conn_floor
 import _rtt_ceiling
 from _usertable import RR_SIZES, Modes, UserResults
 
@@ -402,6 +403,11 @@ class UserView:
         self.measure(("conns_1", "connect_p50"), self.conns(1))
         if self.smcd_cpu:
             self.res["bound"]["smcd_cpu"] = statistics.median(self.smcd_cpu)
+        progress("user view: connections bound (a minimal Python handoff chain)")
+        try:
+            self.res["bound"].update(_conn_floor.measure(p.conns, p.conns_warmup, p.repeats))
+        except _conn_floor.FloorError as e:
+            self.notes.append(f"user view connection bound: {e}")
         progress(f"user view: connections, {p.concurrency} at a time")
         self.measure(("conns_n", "_connect_p50_n"), self.conns(p.concurrency))
         progress(f"user view: memory, {p.idle:,} idle connections")

@@ -158,6 +158,9 @@ USER_ROWS = [
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("connect p50, one at a time", "us", "<= 500 us", "cmp"),
     ("bound: smcd CPU per connection", "us", None, "bound"),
+    ("bound: minimal Python handoff chain", "1/s", None, "bound"),
+    ("bound: minimal Python handoff chain, p50", "us", None, "bound"),
+    ("bound: its broker's CPU per connection", "us", None, "bound"),
     ("connections/s, 4 at a time", "1/s", None, "cmp"),
     ("memory, 20 idle connections", "MiB", "<= 300 MiB, smcd + apps", "cmp"),
 ]
