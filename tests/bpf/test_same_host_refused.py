@@ -217,6 +217,35 @@ NOBODY = 65534
 ACCEPT_AFTER = 1.0
 
 
+def nobody_client_to_capped_server(
+    capped: Host, net: Net, *, accept_after: float = 0.0, late: float = 0.0
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The server application (capped: its ACCEPT is refused at the gate) and a client of
+    another user (not refused), to their ends: what each printed, and the daemon's log. Checks
+    what both orders share: the client half fell back because its server half did, before any
+    CLC byte, and both applications read exactly each other's bytes."""
+    for d in (net.work, capped.run):  # the work dirs are private to root
+        os.chmod(d, os.stat(d).st_mode | 0o005)
+    app, port = server_app(capped, accept_after=accept_after)
+    try:
+        setpriv = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+        client = run_client(capped, port, *setpriv, late=late)
+        got = report(app, "CONN")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    log = capped.proc.log()
+    assert client["mode"] == "tcp" and not client["after_decline"], (client, log[-3000:])
+    assert "server half fell back" in client["why"], client
+    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
+    # the server half: its own refusal, no CLC crossed, the client's bytes exactly
+    assert got["name"] == "SMC_CLC_DECL_MAX_DMB" and not got["after_decline"], (got, log[-3000:])
+    assert "limits.connections_per_user" in got["why"], got
+    assert bytes.fromhex(got["data"]) == DATA, got
+    return client, got, log
+
+
 def test_own_client_half_not_refused_falls_back_at_once_with_its_refused_server_half(
     capped: Host, net: Net
 ) -> None:
@@ -225,28 +254,9 @@ def test_own_client_half_not_refused_falls_back_at_once_with_its_refused_server_
     that the server half fell back, it sends no CLC byte, so the refused server half waits
     for no Proposal either: both applications get the plain stream without any CLC timer
     (before, the server half waited ``proposal_wait`` for a Proposal that could not come)."""
-    for d in (net.work, capped.run):  # the work dirs are private to root
-        os.chmod(d, os.stat(d).st_mode | 0o005)
     # The server accepts late, so the client half is parked in smcd when the refusal comes
     # (the other order is the next test).
-    app, port = server_app(capped, accept_after=ACCEPT_AFTER)
-    try:
-        setpriv = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
-        client = run_client(capped, port, *setpriv)
-        got = report(app, "CONN")
-    finally:
-        if app.poll() is None:
-            app.kill()
-            app.wait()
-    log = capped.proc.log()
-    # the client half was not refused: it fell back because its server half did, before CLC
-    assert client["mode"] == "tcp" and not client["after_decline"], (client, log[-3000:])
-    assert "server half fell back" in client["why"], client
-    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
-    # the server half: its own refusal, no CLC crossed, the client's bytes exactly
-    assert got["name"] == "SMC_CLC_DECL_MAX_DMB" and not got["after_decline"], (got, log[-3000:])
-    assert "limits.connections_per_user" in got["why"], got
-    assert bytes.fromhex(got["data"]) == DATA, got
+    client, _got, log = nobody_client_to_capped_server(capped, net, accept_after=ACCEPT_AFTER)
     # and nobody waited for a CLC timer: the banner came within half a proposal_wait of the
     # accept (a wait would add all of it: PROPOSAL_WAIT, or clc_wait for the client)
     assert client["banner_s"] < ACCEPT_AFTER + PROPOSAL_WAIT / 2, (client, log[-3000:])
@@ -264,22 +274,6 @@ def test_own_client_half_arriving_after_its_refused_server_half_ends_its_wait(
     option and could be a kernel AF_SMC one; when the client half that arrives is smcd's own,
     it reads the fall-back, sends no CLC byte, and that ends the server half's wait at once
     (before, it waited all of ``proposal_wait``)."""
-    for d in (net.work, capped.run):  # the work dirs are private to root
-        os.chmod(d, os.stat(d).st_mode | 0o005)
-    app, port = server_app(capped)
-    try:
-        setpriv = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
-        client = run_client(capped, port, *setpriv, late=HANDOFF_AFTER)
-        got = report(app, "CONN")
-    finally:
-        if app.poll() is None:
-            app.kill()
-            app.wait()
-    log = capped.proc.log()
-    assert client["mode"] == "tcp" and not client["after_decline"], (client, log[-3000:])
-    assert "server half fell back" in client["why"], client
-    assert bytes.fromhex(client["banner"]) == BANNER and client["tail"] == "", client
-    assert got["name"] == "SMC_CLC_DECL_MAX_DMB" and not got["after_decline"], (got, log[-3000:])
-    assert bytes.fromhex(got["data"]) == DATA, got
+    client, _got, log = nobody_client_to_capped_server(capped, net, late=HANDOFF_AFTER)
     # the banner left once the client half had read the fall-back, not after proposal_wait
     assert client["banner_s"] < HANDOFF_AFTER + PROPOSAL_WAIT / 2, (client, log[-3000:])
