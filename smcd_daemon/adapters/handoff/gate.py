@@ -276,8 +276,8 @@ def _answer(conn: socket.socket, denied: Denied, srv: HandoffServer | None = Non
             elif srv is not None and fds and isinstance(msg, m.Accept):
                 # our own client half, if parked for this server half, falls back without a
                 # byte once told: then no Proposal is coming and the answer goes out at once
-                told = srv.handshakes.server_refused(fds[0], denied.detail)
-                later = not told and refused_accept(srv, conn, fds[0], reply)
+                told, key = srv.handshakes.server_refused(fds[0], denied.detail)
+                later = not told and refused_accept(srv, conn, fds[0], reply, key)
                 if later:
                     fds = fds[1:]  # handed over with ``conn``
             m.close_fds(fds)

@@ -294,27 +294,19 @@ class Handshakes:
             **_ZERO_CURSORS,
         }
 
-    def server_refused(self, fd: int, why: str) -> bool:
+    def server_refused(self, fd: int, why: str) -> tuple[bool, PairKey | None]:
         """An ACCEPT refused at the gate (its accepted TCP socket ``fd``, no loop work): tell a
         client half of ours parked for it, as a refused handshake does (:meth:`handoff`). True
-        when one was: it falls back without a CLC byte, so no Proposal is coming."""
+        when one was: it falls back without a CLC byte, so no Proposal is coming. With the
+        pair's key, for the wait of :func:`.predecline.refused` (None: none could be made)."""
         sock = socket.socket(fileno=fd)
         try:
             key = pair_key(sock, sock.getsockname(), sock.getpeername(), client=False)
         except (OSError, PairingError):
-            return False
+            return False, None
         finally:
             sock.detach()
-        return self.arrivals.server_gone(key, fell_back=True, why=why)
-
-    def client_heard(self, tcp: BorrowedTcp) -> asyncio.Future[None] | None:
-        """A refused server half on ``tcp``, past :meth:`server_refused`: done once a same-host
-        client half of ours reads that it fell back (:meth:`.arrivals.Arrivals.heard`)."""
-        try:
-            key = pair_key(tcp.sock, tcp.local, tcp.peer, client=False)
-        except (OSError, PairingError):
-            return None
-        return self.arrivals.heard(key)
+        return self.arrivals.server_gone(key, fell_back=True, why=why), key
 
     async def handoff(self, client: Client, req: m.Connect | m.Accept, fd: int) -> bool:
         """Run one handoff to its reply; True if the connection now holds a channel half."""
@@ -344,12 +336,9 @@ class Handshakes:
                       client.label, req.TYPE.name, denied.detail)  # fmt: skip
             fb = fallback_for(denied)  # a peer that showed the SMC option is declined (#11)
             try:
-                heard = None
-                if role is ConnRole.SERVER and not ours:
-                    heard = self.arrivals.heard(key)
                 out, reset = await refused(srv, tcp, server=role is ConnRole.SERVER,
                                            code=fb.code, detail=denied.detail,
-                                           client_told=ours, heard=heard)  # fmt: skip
+                                           client_told=ours, key=key)  # fmt: skip
             finally:
                 tcp.close()
             return self.reply_fallback(client, draft, out, aborted=reset)

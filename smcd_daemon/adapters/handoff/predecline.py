@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
 from smcd_daemon.adapters.clc_io import BorrowedTcp, peek_proposal
-from smcd_daemon.core.handoff_pairs import IpAddress
+from smcd_daemon.core.handoff_pairs import IpAddress, PairKey
 from smcd_daemon.protocol.negotiate import FallbackOutcome
 from smcd_daemon.protocol.negotiate.outcome import decline_message
 from smcd_daemon.transport.loopback import PairingError, endpoint
@@ -171,23 +171,22 @@ async def refused(
     code: int,
     detail: str,
     client_told: bool = False,
-    heard: asyncio.Future[None] | None = None,
+    key: PairKey | None = None,
 ) -> tuple[FallbackOutcome, bool]:
     """A handshake refused before any CLC byte (admission, a quota): its outcome, and whether
     the connection was reset (see the module docstring). A client half declines only toward a
     peer that showed the option (a configured peer that did not may run no SMC at all: a Decline
     would be data to it); a server half declines every Proposal that is due, unless its client
     half is our own and was told it fell back (``client_told``), or reads that it did when it
-    arrives (``heard``, :meth:`~.arrivals.Arrivals.heard`): that one sends no CLC."""
+    arrives (the pair ``key``'s :meth:`~.arrivals.Arrivals.heard`): that one sends no CLC."""
     plain = FallbackOutcome(code, None, True, detail)
     if server:
         if client_told:
             return plain, False
         wait = proposal_due(srv, tcp.fd, tcp.peer[0])
         if wait is None:
-            if heard is not None:
-                heard.cancel()
             return plain, False
+        heard = srv.handshakes.arrivals.heard(key) if key is not None else None
         try:
             out = await decline_proposal(tcp, code, detail, wait, heard)
         except Exception as e:  # a broken exchange of any kind: reset
@@ -224,11 +223,18 @@ _LATER: set[asyncio.Task[None]] = set()
 """Refused server halves declining their client's Proposal (kept from the garbage collector)."""
 
 
-def refused_accept(srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fallback) -> bool:
+def refused_accept(
+    srv: HandoffServer,
+    conn: socket.socket,
+    fd: int,
+    reply: m.Fallback,
+    key: PairKey | None = None,
+) -> bool:
     """An ACCEPT answered at the gate whose client is sending a Proposal (:func:`proposal_due`):
     True when a task now owns ``conn`` and ``fd``, reads and declines the Proposal, then answers
-    ``reply`` (``after_decline`` if CLC crossed) and closes both. False: answer at once (no
-    Proposal due, no running loop)."""
+    ``reply`` (``after_decline`` if CLC crossed) and closes both; ``key`` (the pair's, from
+    ``Handshakes.server_refused``) ends that wait when our own client half reads the fall-back.
+    False: answer at once (no Proposal due, no running loop)."""
     if srv.loop is None or not srv.loop.is_running():
         return False
     try:
@@ -243,14 +249,14 @@ def refused_accept(srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fa
         sock.detach()
     if proposal_due(srv, fd, peer) is None:
         return False
-    task = srv.loop.create_task(_accept_later(srv, conn, fd, reply))
+    task = srv.loop.create_task(_accept_later(srv, conn, fd, reply, key))
     _LATER.add(task)
     task.add_done_callback(_LATER.discard)
     return True
 
 
 async def _accept_later(
-    srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fallback
+    srv: HandoffServer, conn: socket.socket, fd: int, reply: m.Fallback, key: PairKey | None
 ) -> None:
     try:
         tcp = BorrowedTcp(fd)  # owns fd from here
@@ -260,7 +266,7 @@ async def _accept_later(
     try:
         out, _reset = await refused(
             srv, tcp, server=True, code=reply.code, detail=reply.explanation,
-            heard=srv.handshakes.client_heard(tcp),
+            key=key,
         )  # fmt: skip
         tcp.close()
         crossed = out.declined or out.peer_diagnosis is not None
