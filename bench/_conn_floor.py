@@ -28,7 +28,6 @@ journal and D-Bus view, the real channel layout (cursors, flags).
 
 from __future__ import annotations
 
-import array
 import ctypes
 import json
 import mmap
@@ -51,23 +50,10 @@ ACCEPT = EYE + bytes.fromhex("02004820") + bytes(64) + EYE  # 72 bytes
 CONFIRM = EYE + bytes.fromhex("03004820") + bytes(64) + EYE
 _PUNCH = 0x03  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _CRED = struct.Struct("3i")
-_FD = array.array("i").itemsize
 
 
 class FloorError(RuntimeError):
     """The bound could not be measured (a process failed or said nothing)."""
-
-
-def _send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
-    sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-
-
-def _recv_fds(sock: socket.socket, n: int) -> tuple[bytes, list[int]]:
-    fds = array.array("i")
-    msg, anc, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(n * _FD))
-    for _level, _type, data in anc:
-        fds.frombytes(data[: len(data) - len(data) % _FD])
-    return msg, list(fds)
 
 
 def broker(path: str) -> None:
@@ -102,8 +88,8 @@ def broker(path: str) -> None:
                 dmbs.append(fd)
         ev = [os.eventfd(0, os.EFD_CLOEXEC), os.eventfd(0, os.EFD_CLOEXEC)]
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        _send_fds(cconn, b"CHANNEL", [dmbs[0], dmbs[1], ev[0], ev[1], a.fileno()])
-        _send_fds(sconn, b"CHANNEL", [dmbs[1], dmbs[0], ev[1], ev[0], b.fileno()])
+        socket.send_fds(cconn, [b"CHANNEL"], [dmbs[0], dmbs[1], ev[0], ev[1], a.fileno()])
+        socket.send_fds(sconn, [b"CHANNEL"], [dmbs[1], dmbs[0], ev[1], ev[0], b.fileno()])
         for fd in ev:
             os.close(fd)
         for s in (a, b, ctcp, stcp):
@@ -122,7 +108,7 @@ def broker(path: str) -> None:
             _pid, uid, _gid = _CRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
             )
-            role, fds = _recv_fds(conn, 1)
+            role, fds, _flags, _addr = socket.recv_fds(conn, 64, 1)
             tcp = socket.socket(fileno=fds[0])
             local, peer = tcp.getsockname(), tcp.getpeername()
             key = (local, peer, uid) if role == b"C" else (peer, local, uid)
@@ -160,8 +146,8 @@ class _Channel:
         self.tcp = tcp
         self.handoff = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.handoff.connect(path)
-        _send_fds(self.handoff, role, [tcp.fileno()])
-        _msg, fds = _recv_fds(self.handoff, 5)
+        socket.send_fds(self.handoff, [role], [tcp.fileno()])
+        _msg, fds, _flags, _addr = socket.recv_fds(self.handoff, 64, 5)
         self.rx, self.tx = mmap.mmap(fds[0], DMB), mmap.mmap(fds[1], DMB)
         os.close(fds[0])
         os.close(fds[1])
