@@ -264,14 +264,21 @@ def test_idle_connections_are_not_polled(env: dict[str, str]) -> None:
 
 
 def test_a_timer_due_before_the_budget_ends_fires_on_time(env: dict[str, str]) -> None:
-    r = run_client("timer", env)
     # Waits that spun with a 200 us budget and nothing to find for 20 ms, and a timer due
     # after 30 us: the spin ends by the loop's own timeout. Spinning past it makes most timers
     # ~170 us late or more (a few less: a spin also ends when a yield shows another task wants
-    # the CPU); the median of the trials shows it did not.
-    assert len(r["late_us"]) >= 20, r
-    assert r["late_us"][len(r["late_us"]) // 2] < 120, r
-    assert r["spins_while_ready"] == 0, r
+    # the CPU); the median of the trials shows it did not. A loaded machine (the suite runs
+    # two workers on two CPUs) can make any run's timers late, so up to three runs are made:
+    # a spin past the timer makes every one of them late.
+    runs = []
+    for _ in range(3):
+        r = run_client("timer", env)
+        assert len(r["late_us"]) >= 20, r
+        assert r["spins_while_ready"] == 0, r
+        runs.append(r["late_us"][len(r["late_us"]) // 2])
+        if runs[-1] < 120:
+            break
+    assert min(runs) < 120, runs
 
 
 def test_a_loop_gets_the_poll_with_its_first_smc_transport(
