@@ -95,6 +95,8 @@ def test_clc_timeout_after_a_proposal_aborts_the_connection(smcd: Smcd, apps: An
     raw.close()
     assert got.get("error") in ("ConnectionResetError", "TimeoutError"), got
     assert seen["data"].startswith(EYE), seen  # the Proposal did cross
+    # and nothing after it: no Decline before the reset (the kernel sends none on its timer)
+    assert len(seen["data"]) == int.from_bytes(seen["data"][5:7], "big"), seen
     assert seen["end"] == "reset", seen
     assert "timed out" in smcd.log() or "reset" in smcd.log()
 

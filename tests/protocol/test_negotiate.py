@@ -336,9 +336,9 @@ def test_accept_with_a_chid_never_offered_is_a_protocol_error() -> None:
     w = World()
     c = w.client()
     step = feed(c, accept_for(w, c, info_chid=0x1234))[-1]
-    decl = only_decline(step.data)
-    assert decl.diagnosis == DECL_PROTOCOL_ERROR
-    assert assert_fallback(c, DECL_PROTOCOL_ERROR).kernel_errno == errno.EPROTO
+    assert step.data == b""  # as the kernel: -EPROTO fails the connection, no Decline
+    out = assert_fallback(c, DECL_PROTOCOL_ERROR)
+    assert out.kernel_errno == errno.EPROTO and not out.declined
 
 
 def test_accept_naming_an_unknown_dmb_is_mem() -> None:
@@ -480,9 +480,10 @@ def check_never_raises(
         assert out is not None
         if isinstance(out, FallbackOutcome):
             fallbacks += 1
-            if out.reason == R.PEERDECL:
-                assert not out.declined
-            elif out.kernel_errno != errno.ECONNRESET:
+            if out.reason == R.PEERDECL or out.kernel_errno is not None:
+                # the kernel's errors (EPROTO, ETIMEDOUT, ECONNRESET) send no Decline
+                assert not out.declined and steps[-1].data == b"", out
+            else:
                 assert out.declined
                 decl = only_decline(steps[-1].data)
                 assert decl.diagnosis == out.reason
@@ -559,7 +560,9 @@ def test_server_survives_every_mangled_confirm() -> None:
             w.pool.unregister(out.local_token)
         else:
             assert isinstance(out, FallbackOutcome)
-            if out.reason != R.PEERDECL:
+            if out.kernel_errno is not None:
+                assert steps[-1].data == b"" and not out.declined, out
+            elif out.reason != R.PEERDECL:
                 assert only_decline(steps[-1].data).diagnosis == out.reason
         assert w.pool.in_use_buffers == base
 
@@ -572,7 +575,7 @@ def test_wrong_message_type_is_a_protocol_error_after_eight_bytes() -> None:
     ).encode()
     steps = feed(s, confirm_hdr)
     assert len(steps) == 1  # decided on the header, nothing more consumed
-    assert only_decline(steps[0].data).diagnosis == DECL_PROTOCOL_ERROR
+    assert steps[0].data == b""  # no Decline: the kernel fails the connection with EPROTO
     assert assert_fallback(s, DECL_PROTOCOL_ERROR).kernel_errno == errno.EPROTO
 
 
@@ -582,7 +585,8 @@ def test_timeout_and_eof() -> None:
     c.start()
     assert c.timeout == 6.0 and c.bytes_needed == 8
     step = c.on_timeout()
-    assert only_decline(step.data).diagnosis == DECL_CLC_TIMEOUT == 0x02000000
+    assert step.data == b""  # no Decline: the kernel fails the connection with ETIMEDOUT
+    assert DECL_CLC_TIMEOUT == 0x02000000
     assert assert_fallback(c, DECL_CLC_TIMEOUT).kernel_errno == errno.ETIMEDOUT
     s = w.server()
     feed(s, b"\xe2\xd4\xc3")

@@ -29,16 +29,17 @@ Where the rules live (kernel 6.12; v2.1 from 6.6, Emulated-ISM 6.8, loopback-ism
 * :mod:`.base` - the driver interface and the endings: a received Decline is PEERDECL (no
   Decline back, its out-of-sync bit reported); everything taken is given back on any fallback.
 
-Where the kernel has no decline code, because it aborts the connection instead of falling back
-(``smc_clc_wait_msg`` returns -EPROTO for a malformed or unexpected message, -EAGAIN → -ETIMEDOUT
-for a timeout, -ECONNRESET for EOF), we still decline and fall back, so that the application
-keeps a working TCP connection, and record the errno the kernel would have failed with in
-:attr:`FallbackOutcome.kernel_errno`:
+Where the kernel fails the connection instead of falling back (``smc_clc_wait_msg`` returns
+-EPROTO for a malformed or unexpected message, -EAGAIN → -ETIMEDOUT for a timeout, -ECONNRESET
+for EOF; a negative code sends no Decline), we send no Decline either: the outcome records the
+errno the kernel fails with in :attr:`FallbackOutcome.kernel_errno`, and the adapter resets
+the TCP connection (a peer never reads what is left of CLC as data). Its reason, for the
+records:
 
-* malformed or unexpected message → Decline :data:`DECL_PROTOCOL_ERROR` (CNFERR, 0x03000000);
-* timeout → Decline :data:`DECL_CLC_TIMEOUT` (0x02000000, the generic "timeout" code of the
-  first SMC release; current kernels have only the LLC-specific 0x0201/0x0202 codes);
-* EOF → no Decline (nobody is listening), reason :data:`DECL_PROTOCOL_ERROR`.
+* malformed or unexpected message → :data:`DECL_PROTOCOL_ERROR` (CNFERR, 0x03000000);
+* timeout → :data:`DECL_CLC_TIMEOUT` (0x02000000, the generic "timeout" code of the first SMC
+  release; current kernels have only the LLC-specific 0x0201/0x0202 codes);
+* EOF → :data:`DECL_PROTOCOL_ERROR`.
 
 Our Declines carry our system id (zeros without SMC-R), as ``smc_clc_send_decline`` does.
 """

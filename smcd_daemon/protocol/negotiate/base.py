@@ -240,7 +240,9 @@ class Negotiation:
                 return self._peer_declined(got)
             return self._handle(got)
         except Refusal as r:
-            return self._decline_and_fall_back(r.code, r.detail, kernel_errno=r.kernel_errno)
+            if r.kernel_errno is not None:
+                return self._fail(r.code, r.detail, r.kernel_errno)
+            return self._decline_and_fall_back(r.code, r.detail)
 
     def on_timeout(self) -> Step:
         """The wait of :attr:`timeout` seconds expired."""
@@ -250,7 +252,7 @@ class Negotiation:
             code, detail = self._link_failure
             return self._decline_and_fall_back(code, detail)
         detail = f"no CLC {self._expect.name} within {self.offer.clc_wait:g} s"
-        return self._decline_and_fall_back(DECL_CLC_TIMEOUT, detail, kernel_errno=errno.ETIMEDOUT)
+        return self._fail(DECL_CLC_TIMEOUT, detail, errno.ETIMEDOUT)
 
     def on_eof(self) -> Step:
         """The peer closed its sending side during the handshake."""
@@ -333,6 +335,15 @@ class Negotiation:
         return self._fall_back(
             code, declined_detail(code, detail), declined=True, kernel_errno=kernel_errno
         )
+
+    def _fail(self, code: int, detail: str, kernel_errno: int) -> Step:
+        """Where the kernel fails the connection (``smc_clc_wait_msg`` returned an errno:
+        ``smc_connect_decline_fallback`` and ``smc_listen_decline`` send no Decline for a
+        negative code): no Decline either; the adapter resets the connection."""
+        return self._fall_back(
+            code, f"{detail}; no Decline: the kernel fails the connection here",
+            declined=False, kernel_errno=kernel_errno,
+        )  # fmt: skip
 
     def _peer_declined(self, msg: Decline) -> Step:
         self.ledger.release()
