@@ -7,9 +7,10 @@ test's own raw TCP socket, which reads the SMC-R Proposal and stays silent. Afte
 ``timeouts.clc_wait`` the client's daemon must fail the connection, as the kernel's
 ``smc_connect_clc`` does on its timer (``smc_clc_wait_msg`` → ``-ETIMEDOUT``, no fallback once CLC
 began): the application gets an error, the peer a reset and no Decline (as the kernel), and
-neither ever reads the other's bytes as CLC or data. No link group is left behind (a first contact makes one only on the
-Accept). The SMC-D half of this rule is ``tests/e2e/test_daemon_rules.py``; the negotiation's
-own timer is unit-tested in ``tests/protocol``.
+neither ever reads the other's bytes as CLC or data. No link group is left behind (a first
+contact makes one only on the Accept). The SMC-D half of this rule is
+``tests/e2e/test_daemon_rules.py``; the negotiation's own timer is unit-tested in
+``tests/protocol``.
 """
 
 from __future__ import annotations
