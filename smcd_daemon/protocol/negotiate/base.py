@@ -329,12 +329,8 @@ class Negotiation:
             send = (decline_message(code, self._decline_version, self.offer.system_id),)
         return self._finish(Step(send, outcome))
 
-    def _decline_and_fall_back(
-        self, code: int, detail: str, *, kernel_errno: int | None = None
-    ) -> Step:
-        return self._fall_back(
-            code, declined_detail(code, detail), declined=True, kernel_errno=kernel_errno
-        )
+    def _decline_and_fall_back(self, code: int, detail: str) -> Step:
+        return self._fall_back(code, declined_detail(code, detail), declined=True)
 
     def _fail(self, code: int, detail: str, kernel_errno: int) -> Step:
         """Where the kernel fails the connection (``smc_clc_wait_msg`` returned an errno:
