@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smcd_daemon import __version__
-from smcd_daemon.adapters import systemd
+from smcd_daemon.adapters import private_bus, systemd
 from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.dbus import BUS_NAME, BusError, DbusService, ServiceInfo, connect
 from smcd_daemon.adapters.handoff import HandoffServer
@@ -259,7 +259,8 @@ class PrivateBus:
     without a session bus. Only the uid smcd runs as may connect (dbus-daemon's default)."""
 
     def __init__(self, runtime_dir: Path) -> None:
-        self.dir = runtime_dir / "dbus"
+        self.runtime_dir = runtime_dir
+        self.dir = private_bus.bus_dir(runtime_dir)
         self.address_file = runtime_dir / PRIVATE_BUS_ADDRESS_FILE
         self.address = ""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -267,8 +268,8 @@ class PrivateBus:
     async def start(self) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         sock = self.dir / "bus.sock"
-        conf = self.dir / "bus.conf"
-        await self._end_stale(conf)
+        conf = private_bus.bus_config(self.runtime_dir)
+        await self._end_stale()
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         conf.write_text(_PRIVATE_BUS_CONFIG.format(socket=sock))
@@ -285,7 +286,7 @@ class PrivateBus:
                 f"cannot start a private dbus-daemon: {e.strerror or e} (install the dbus "
                 'package, or set dbus.bus to "session", "system" or an address)'
             ) from e
-        (self.dir / "bus.pid").write_text(f"{self._proc.pid}\n")
+        private_bus.pid_file(self.runtime_dir).write_text(f"{self._proc.pid}\n")
         assert self._proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(self._proc.stdout.readline), 10.0)
         self.address = line.decode().strip()
@@ -297,31 +298,25 @@ class PrivateBus:
         log.info("private D-Bus bus at %s (address in %s)", self.address, self.address_file)
         return self.address
 
-    async def _end_stale(self, conf: Path) -> None:
+    async def _end_stale(self) -> None:
         """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
         would have ended it) outlives it: end it before starting ours, so a restarted smcd
-        leaves one bus behind, not one per restart. Only a dbus-daemon running our config file
-        is ended (the pid may have been reused)."""
-        pidfile = self.dir / "bus.pid"
-        try:
-            pid = int(pidfile.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            return
-        if f"--config-file={conf}".encode() not in cmdline:
+        leaves one bus behind, not one per restart (:mod:`.adapters.private_bus`)."""
+        pid = private_bus.stale_bus_pid(self.runtime_dir)
+        if pid is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
             log.info("ended the private dbus-daemon (pid %d) of an smcd that was killed", pid)
         deadline = time.monotonic() + 2.0
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        while not private_bus.gone(pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # not our child: no wait(); its parent (init) reaps it
 
     def stop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.address_file.unlink()
         with contextlib.suppress(FileNotFoundError):
-            (self.dir / "bus.pid").unlink()
+            private_bus.pid_file(self.runtime_dir).unlink()
         if self._proc is not None:
             self._proc.terminate()
             try:

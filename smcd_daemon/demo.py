@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smcd_daemon.adapters import private_bus
 from smcd_daemon.cli.render import render_text
 from smcd_daemon.errors import SmcError
 from smcd_daemon.wire import clc
@@ -390,11 +391,14 @@ class PrivateSmcd:
         return stop_all([self], timeout)[0]
 
     def cleanup(self) -> None:
+        """Stop smcd and remove its runtime dir, ending first the private bus of an smcd that
+        died without stopping it (it would outlive the only directory that names it)."""
         if self.proc is not None:
             self.stop()
         if self._notify is not None:
             self._notify.close()
             self._notify = None
+        private_bus.end_stale_bus(self.workdir)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def smcctl(self, *args: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:

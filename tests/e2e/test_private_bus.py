@@ -1,7 +1,7 @@
 """smcd's private D-Bus bus (``--bus private``, demos and tests) after smcd was SIGKILLed: the
 killed daemon's dbus-daemon outlives it (no systemd cgroup ends it here), and the restarted smcd
 ends it before starting its own, so restarts do not pile up buses (the soak's chaos phase left
-one per kill)."""
+one per kill); ``PrivateSmcd.cleanup`` ends it when no smcd is restarted."""
 
 from __future__ import annotations
 
@@ -44,4 +44,19 @@ def test_a_restarted_smcd_ends_the_killed_ones_bus() -> None:
     finally:
         daemon.cleanup()
     assert not _alive(second), "a stopped smcd's bus is ended with it"
+    assert not os.path.exists(daemon.workdir)
+
+
+def test_cleanup_ends_the_bus_of_a_killed_smcd() -> None:
+    daemon = PrivateSmcd(name="privbus").start()
+    try:
+        first = _bus_pid(daemon)
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        daemon.proc.wait()
+        time.sleep(0.2)
+        assert _alive(first), "the killed smcd's bus is expected to outlive it"
+    finally:
+        daemon.cleanup()
+    assert not _alive(first), f"the killed smcd's dbus-daemon {first} outlived the cleanup"
     assert not os.path.exists(daemon.workdir)
