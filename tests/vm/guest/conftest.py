@@ -14,6 +14,17 @@ from tests.vm import topology
 from tests.vm.topology import Port
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Outside the VM (no ``SMCD_VM_TOPOLOGY`` from ``tests.vm.guest_main``) the session stops
+    before the first test: the guest tests load kernel modules and start daemons on the
+    addresses of the VM's topology. Listing them (``--collect-only``, as the host does) is fine."""
+    if not session.config.option.collectonly and not os.environ.get("SMCD_VM_TOPOLOGY"):
+        pytest.exit(
+            "tests/vm/guest run only inside the Soft-RoCE VM: run `pytest tests/vm` on the host",
+            returncode=3,
+        )
+
+
 @pytest.fixture(scope="session")
 def ports() -> tuple[Port, ...]:
     """All rxe ports of the VM (host A and B, wire 0 and 1)."""
