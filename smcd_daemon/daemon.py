@@ -301,7 +301,7 @@ class PrivateBus:
     async def _end_stale(self) -> None:
         """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
         would have ended it) outlives it: end it before starting ours, so a restarted smcd
-        leaves one bus behind, not one per restart (:mod:`.adapters.private_bus`)."""
+        leaves one bus behind, not one per restart (:mod:`smcd_daemon.adapters.private_bus`)."""
         pid = private_bus.stale_bus_pid(self.runtime_dir)
         if pid is None:
             return
