@@ -170,8 +170,8 @@ async def refused(
     server: bool,
     code: int,
     detail: str,
-    client_told: bool = False,
-    key: PairKey | None = None,
+    client_told: bool,
+    key: PairKey | None,
 ) -> tuple[FallbackOutcome, bool]:
     """A handshake refused before any CLC byte (admission, a quota): its outcome, and whether
     the connection was reset (see the module docstring). A client half declines only toward a
@@ -228,7 +228,7 @@ def refused_accept(
     conn: socket.socket,
     fd: int,
     reply: m.Fallback,
-    key: PairKey | None = None,
+    key: PairKey | None,
 ) -> bool:
     """An ACCEPT answered at the gate whose client is sending a Proposal (:func:`proposal_due`):
     True when a task now owns ``conn`` and ``fd``, reads and declines the Proposal, then answers
@@ -266,7 +266,7 @@ async def _accept_later(
     try:
         out, _reset = await refused(
             srv, tcp, server=True, code=reply.code, detail=reply.explanation,
-            key=key,
+            client_told=False, key=key,
         )  # fmt: skip
         tcp.close()
         crossed = out.declined or out.peer_diagnosis is not None
