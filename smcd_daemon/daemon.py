@@ -33,7 +33,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -302,15 +301,12 @@ class PrivateBus:
         """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
         would have ended it) outlives it: end it before starting ours, so a restarted smcd
         leaves one bus behind, not one per restart (:mod:`smcd_daemon.adapters.private_bus`)."""
-        pid = private_bus.stale_bus_pid(self.runtime_dir)
-        if pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+        if private_bus.stale_bus_pid(self.runtime_dir) is None:
+            return  # the common start: no thread for nothing
+        # it is not our child (no wait()): its exit is polled, off the loop
+        pid = await asyncio.to_thread(private_bus.end_stale_bus, self.runtime_dir)
+        if pid is not None:
             log.info("ended the private dbus-daemon (pid %d) of an smcd that was killed", pid)
-        deadline = time.monotonic() + 2.0
-        while not private_bus.gone(pid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # not our child: no wait(); its parent (init) reaps it
 
     def stop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
