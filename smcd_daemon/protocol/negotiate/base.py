@@ -337,7 +337,7 @@ class Negotiation:
         ``smc_connect_decline_fallback`` and ``smc_listen_decline`` send no Decline for a
         negative code): no Decline either; the adapter resets the connection."""
         return self._fall_back(
-            code, f"{detail}; no Decline: the kernel fails the connection here",
+            code, f"{detail}; no Decline (as the kernel)",
             declined=False, kernel_errno=kernel_errno,
         )  # fmt: skip
 
