@@ -267,9 +267,9 @@ def test_a_timer_due_before_the_budget_ends_fires_on_time(env: dict[str, str]) -
     # Waits that spun with a 200 us budget and nothing to find for 20 ms, and a timer due
     # after 30 us: the spin ends by the loop's own timeout. Spinning past it makes most timers
     # ~170 us late or more (a few less: a spin also ends when a yield shows another task wants
-    # the CPU); the median of the trials shows it did not. A loaded machine (the suite runs
-    # two workers on two CPUs) can make any run's timers late, so up to three runs are made:
-    # a spin past the timer makes every one of them late.
+    # the CPU); the median of the trials shows it did not. A loaded machine (a busy CI host,
+    # daemons and VMs other tests left working) can make any run's timers late, so up to three
+    # runs are made: a spin past the timer makes every one of them late.
     runs = []
     for _ in range(3):
         r = run_client("timer", env)
