@@ -57,6 +57,14 @@ cat >/etc/dbus-1/system.d/zz-smcd-vm-tcg.conf <<'XML'
 XML
 systemctl reload dbus.service
 
+# A host's systemd makes every mount shared at boot, so that a service with a mount namespace
+# of its own (smcd.service: PrivateMounts=, ProtectSystem=) receives what the host mounts later,
+# such as the bind of a namespace `ip netns add` makes. This one believes it runs in a container
+# (/.dockerenv on the shared root, see tests/systemd/harness.py) and, as systemd does there,
+# leaves them private. Do what a host's systemd does, and record what was there before.
+echo "boot.sh: container: $(systemd-detect-virt -c); / was $(findmnt -no PROPAGATION /)"
+mount --make-rshared / || { echo "boot.sh: mount --make-rshared / failed"; exit 1; }
+
 cd "$repo" || exit 1
 # The wheelhouse was built on the host just before the boot; files of the tree edited since then
 # or while the tests run (other work going on in the shared checkout) must not make the offline
