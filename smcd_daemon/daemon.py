@@ -301,11 +301,11 @@ class PrivateBus:
         """The bus of an smcd that was killed (SIGKILL, a crash outside systemd, whose cgroup
         would have ended it) outlives it: end it before starting ours, so a restarted smcd
         leaves one bus behind, not one per restart (:mod:`smcd_daemon.adapters.private_bus`)."""
-        if private_bus.stale_bus_pid(self.runtime_dir) is None:
+        pid = private_bus.stale_bus_pid(self.runtime_dir)
+        if pid is None:
             return  # the common start: no thread for nothing
         # it is not our child (no wait()): its exit is polled, off the loop
-        pid = await asyncio.to_thread(private_bus.end_stale_bus, self.runtime_dir)
-        if pid is not None:
+        if await asyncio.to_thread(private_bus.end_bus, pid):
             log.info("ended the private dbus-daemon (pid %d) of an smcd that was killed", pid)
 
     def stop(self) -> None:

@@ -13,7 +13,15 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["bus_config", "bus_dir", "end_stale_bus", "gone", "pid_file", "stale_bus_pid"]
+__all__ = [
+    "bus_config",
+    "bus_dir",
+    "end_bus",
+    "end_stale_bus",
+    "gone",
+    "pid_file",
+    "stale_bus_pid",
+]
 
 
 def bus_dir(runtime_dir: Path) -> Path:
@@ -50,17 +58,21 @@ def gone(pid: int) -> bool:
     return state == "Z"
 
 
-def end_stale_bus(runtime_dir: Path, wait: float = 2.0) -> int | None:
-    """SIGTERM the stale bus of ``runtime_dir`` (see :func:`stale_bus_pid`) and wait up to
-    ``wait`` seconds for it to exit; its pid, or None when there was none."""
-    pid = stale_bus_pid(runtime_dir)
-    if pid is None:
-        return None
+def end_bus(pid: int, wait: float = 2.0) -> bool:
+    """SIGTERM the bus ``pid`` found by :func:`stale_bus_pid` and wait up to ``wait`` seconds
+    for it to exit (it is not the caller's child: no ``wait()``); False if it was gone."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return None
+        return False
     deadline = time.monotonic() + wait
     while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return pid
+    return True
+
+
+def end_stale_bus(runtime_dir: Path, wait: float = 2.0) -> int | None:
+    """End the stale bus of ``runtime_dir`` (:func:`stale_bus_pid`, :func:`end_bus`); its pid,
+    or None when there was none."""
+    pid = stale_bus_pid(runtime_dir)
+    return pid if pid is not None and end_bus(pid, wait) else None

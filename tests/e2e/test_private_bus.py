@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
+from smcd_daemon.adapters import private_bus
 from smcd_daemon.demo import PrivateSmcd
 
 
 def _bus_pid(daemon: PrivateSmcd) -> int:
-    return int((daemon.workdir / "dbus" / "bus.pid").read_text())
+    return int(private_bus.pid_file(daemon.workdir).read_text())
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return not private_bus.gone(pid)
 
 
 def test_a_restarted_smcd_ends_the_killed_ones_bus() -> None:
