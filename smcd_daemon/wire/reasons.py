@@ -152,7 +152,7 @@ class Explanation:
 # Top byte of a CLC decline code → what that class of failure is. Derived from the kernel table:
 # every code of a class shares one cause family; 0x06/0x07/0x99 are from the 2017 header.
 CLASS_DESCRIPTIONS: dict[int, str] = {
-    0x00: "no decline class (0x00: not a CLC decline code; LLC reasons live here)",
+    0x00: "no decline class: not a CLC decline code (LLC DELETE LINK reasons use it)",
     0x01: "resources: the declining side ran out of memory or buffers",
     0x02: "timeout: an expected message did not arrive in time (RDMA path or LLC exchange)",
     0x03: "configuration: the two ends' SMC setup (devices, pnet, EIDs, versions) do not match",

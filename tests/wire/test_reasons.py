@@ -148,6 +148,7 @@ def test_every_class_byte_in_use_has_a_description() -> None:
         (0x02990000, 0x02, "timeout"),
         (0x09990077, 0x09, "internal"),
         (0x05000001, 0x05, "peer decline"),
+        (0x0001869F, 0x00, "no decline class"),
     ],
 )
 def test_unknown_code_is_interpreted_by_its_class(code: int, top: int, word: str) -> None:
@@ -156,6 +157,7 @@ def test_unknown_code_is_interpreted_by_its_class(code: int, top: int, word: str
     assert exp.class_byte == top
     assert exp.class_description.startswith(word)
     assert "unknown" in exp.meaning and f"0x{top:02x}" in exp.meaning
+    assert exp.meaning.endswith(f"({word})")  # the class's name, not a cut-off sentence
     assert exp.advice
 
 
