@@ -196,7 +196,7 @@ class Channel(ChannelBase):
         DMB's ring is 32 bytes short of its size, so 64 KiB writes do not tile it). Without
         this look, most 64 KiB writes of a stream into a 256 KiB DMB went the long
         way, and a socket layer's long way around it, although they fitted."""
-        if self._wr_shut or self._dead or self._closed or self._pflags & WRITE_BLOCKED:
+        if self._wr_shut or self._dead or self._fence or self._pflags & WRITE_BLOCKED:
             return 0
         peer = self._rx_hdr[W_CONS]
         if peer & TX_STOP_WORD:
@@ -244,6 +244,8 @@ class Channel(ChannelBase):
 
     def _send_into(self, data: Any) -> int:
         """send_into for every case: full ring, wrap, large writes, odd buffers, errors."""
+        if self._fence:
+            self._pass_fence()
         if self._wr_shut or self._closed:
             self._raise_closed_or_pipe()
         peer = self._rx_hdr[W_CONS]  # the peer's consumer cursor in our TX ring + its flags
@@ -315,7 +317,8 @@ class Channel(ChannelBase):
 
     def shutdown_write(self) -> None:
         """SHUT_WR: after everything sent so far, the peer reads EOF (``peer_done_writing``)."""
-        self._check_open()
+        if self._fence:
+            self._pass_fence()
         if not self._csflags & PEER_DONE_WRITING:
             self._wr_shut = True
             self._tx_run = 0
@@ -448,8 +451,8 @@ class Channel(ChannelBase):
 
     def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
         """recv_into for every case: empty ring, EOF, wrap, level mode, odd buffers, errors."""
-        if self._closed:
-            self._check_open()
+        if self._fence:
+            self._pass_fence()
         hdr = self._rx_hdr
         flags = hdr[W_CONS] >> CSFLAGS_SHIFT  # read flags *before* the producer cursor
         if flags & PEER_CONN_ABORT or self._dead:
@@ -511,8 +514,8 @@ class Channel(ChannelBase):
         """Up to ``bufsize`` received bytes as a new ``bytes`` object, copied once, straight
         out of the ring (what ``socket.recv`` returns, without a zeroed scratch buffer and a
         second copy). ``b""`` and errors as :meth:`recv_into` (stops at the ring's end)."""
-        if self._closed:
-            self._check_open()
+        if self._fence:
+            self._pass_fence()
         hdr = self._rx_hdr
         flags = hdr[W_CONS] >> CSFLAGS_SHIFT
         prod = hdr[W_PROD]

@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from _socket import AF_UNIX as _AF_UNIX
 from _socket import SOCK_SEQPACKET as _SOCK_SEQPACKET
 from _socket import socket as _CSocket
@@ -27,6 +28,7 @@ from smc_handoff import layout
 from smc_handoff.layout import (
     C_KICK,
     C_KICK_SPACE,
+    C_OWNER,
     C_WAIT,
     C_WAIT_SPACE,
     CDC_HEADER_LEN,
@@ -157,10 +159,39 @@ def make_pair(size_a: int, size_b: int) -> tuple[ChannelFds, ChannelFds]:
     return end_a, end_b
 
 
+_FORKED = 1 << 31
+"""In the owner word (:data:`~smc_handoff.layout.C_OWNER`): unclaimed since the fork of its
+epoch (the other bits: the epoch << 32, and the pid of the claimer once claimed)."""
+_live: weakref.WeakSet[ChannelBase] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for ch in list(_live):
+        ch._fork_prepare()
+
+
+def _after_fork() -> None:
+    for ch in list(_live):
+        ch._fork_done()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
 class ChannelBase:
     """An end's state and control plane; see :class:`smc_handoff.channel.Channel` for the
     public API and its error semantics. The constructor takes ownership of every fd given to
-    it: DMB fds are closed right after mapping, the rest by :meth:`close`/:meth:`abort`."""
+    it: DMB fds are closed right after mapping, the rest by :meth:`close`/:meth:`abort`.
+
+    Fork: an end's cursors live in the process (only what the peer must see is published), so
+    after ``fork()`` only one process may go on using it, as only one goes on using a socket in
+    the usual patterns (a forking server's child; a daemon that forks and lets its parent
+    exit). The first data call after a fork, in either process, claims the end (the owner word
+    of its receive DMB's trailer, with the epoch of the fork that made the copies); a copy whose
+    state is not the latest, or that another process claimed, raises ``OSError(EBUSY)`` instead
+    of reading or writing with stale cursors. ``close()`` of a copy that is not the owner only
+    lets go of it (the parent of a forking server closes its copy at once): the connection ends
+    with the owner's close, or the hang-up once every copy is gone."""
 
     def __init__(
         self,
@@ -288,13 +319,63 @@ class ChannelBase:
         self._n_spin_hits = 0
         self._n_missed = 0
 
+        # Fork (see the class docstring): a copy made by fork() is fenced until it is claimed.
+        self._fence = False  # data calls take the long way and check: closed, or unclaimed
+        self._forked = False
+        self._owner = False
+        self._epoch = 0
+        self._rx_ctrl[C_OWNER] = 0  # a reused DMB's trailer may hold an earlier connection's
+
         self._tx_hdr[W_TYPE] = TYPE_WORD  # we are the only writer of the peer's header
         self._closed = False
+        _live.add(self)
 
     def _stop_fast(self) -> None:
         """Send every later data call the long way (it checks closed/shut/dead and raises)."""
         self._tx_run = 0
         self._rx_fast = False
+
+    # ---------------------------------------------------------------------------- fork
+
+    @property
+    def _usable(self) -> bool:
+        """May this process use the end without a claim (never shared by fork, or claimed)?"""
+        return not self._closed and (not self._forked or self._owner)
+
+    def _fork_prepare(self) -> None:
+        """Before ``fork()``: an end we may use opens a new epoch, unclaimed, which the two
+        copies about to exist share; a copy we may not use stays as it is (so do its
+        children's)."""
+        if self._usable:
+            self._epoch += 1
+            self._rx_ctrl[C_OWNER] = self._epoch << 32 | _FORKED
+
+    def _fork_done(self) -> None:
+        """After ``fork()``, in both processes: fenced until claimed."""
+        if not self._closed:
+            self._forked = True
+            self._owner = False
+            self._fence = True
+            self._stop_fast()
+
+    def _pass_fence(self) -> None:
+        """Before a data call of a fenced end: EBADF when closed, else claim it (see the class
+        docstring) and give the fast paths back."""
+        self._check_open()
+        word = self._rx_ctrl[C_OWNER]
+        if word != self._epoch << 32 | _FORKED:
+            owner = word & (_FORKED - 1)
+            who = f"process {owner}" if not word & _FORKED else "a later fork"
+            raise OSError(
+                errno.EBUSY,
+                f"{self.mode_name} connection: since a fork() it belongs to {who}; "
+                "only one process may use an SMC connection after a fork",
+            )
+        self._rx_ctrl[C_OWNER] = self._epoch << 32 | os.getpid()
+        self._owner = True
+        self._fence = False
+        if not (self._level or self._dead):
+            self._rx_fast = True
 
     # --------------------------------------------------------------------------- closing
 
@@ -302,6 +383,9 @@ class ChannelBase:
         """Close this end: ``peer_conn_closed``, or an abort when received data is unread.
         Idempotent; releases the mappings and fds."""
         if self._closed:
+            return
+        if not self._usable:  # a copy another process may be using: only let go of ours
+            self._release()
             return
         try:
             if not (self._local_abort or self._peer_died or self._violation):
@@ -322,6 +406,9 @@ class ChannelBase:
         """Reset the connection (``peer_conn_abort``; the peer gets ``ConnectionResetError``)
         and release everything."""
         if self._closed:
+            return
+        if not self._usable:  # not ours to reset (see close)
+            self._release()
             return
         try:
             self._local_abort = self._dead = True
@@ -348,6 +435,7 @@ class ChannelBase:
 
     def _release(self) -> None:
         self._closed = True
+        self._fence = True
         self._stop_fast()
         if self._level:
             link_watcher().remove(self._link_fd)

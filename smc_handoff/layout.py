@@ -87,6 +87,7 @@ __all__ = [
     "CTRL_LEN",
     "C_KICK",
     "C_KICK_SPACE",
+    "C_OWNER",
     "C_WAIT",
     "C_WAIT_SPACE",
     "DMB_SIZES",
@@ -133,6 +134,9 @@ CHANNEL_SIZES = DMB_SIZES + SMCR_CHANNEL_SIZES
 # Word indexes in the header viewed as 4 x u64, and in the trailer viewed as 16 x u64.
 W_TYPE, W_PROD, W_CONS = 0, 1, 2
 C_WAIT, C_WAIT_SPACE, C_KICK, C_KICK_SPACE = 0, 1, 8, 9
+#: Trailer word of an end's own receive DMB, written only by the processes holding that end:
+#: which of them may use it after a fork (``smc_handoff.channel_base``, "fork").
+C_OWNER = 2
 
 # Bit positions of the fields inside the two cursor words, for this host's byte order. The
 # count (bytes 2..5 of the word) lands on bits 16..47 in both byte orders.

@@ -6,6 +6,7 @@ The peer processes run tests/handoff/_channel_peer.py; the test process is often
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -400,3 +401,91 @@ def test_busy_third_process_does_not_collapse_the_channel() -> None:
     )
     assert busy_tput * 5 >= base_tput
     assert busy_rtt <= 15 * base_rtt
+
+
+# ----------------------------------------------------------------------------- fork
+
+
+def _in_child(body: Any) -> int:
+    """Run ``body()`` in a forked child; its exit status (0: it returned, 1: it raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_fork_the_copy_that_was_not_used_lets_go_quietly() -> None:
+    """A forking server: the parent closes its copy at once, the child serves. The parent's
+    close must not end the connection (no EOF, no reset for the peer)."""
+    fa, fb = make_pair(1 << 16, 1 << 16)
+    a, b = Channel.from_fds(fa), Channel.from_fds(fb)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child serves: echo one message after the parent closed its copy
+        code = 1
+        try:
+            os.read(r, 1)
+            buf = bytearray(100)
+            while not (n := a.recv_into(buf)):
+                a.wait_readable(5)
+            a.send_into(bytes(buf[:n]).upper())
+            a.close()
+            code = 0
+        finally:
+            os._exit(code)
+    a.close()  # the parent's copy: not used since the fork
+    assert b.send_into(b"echo me") == 7
+    os.write(w, b"x")
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    got = bytearray(100)
+    n = b.recv_into(got)
+    assert bytes(got[:n]) == b"ECHO ME"
+    assert b.eof and not b.aborted  # the child's close, an orderly one
+    b.close()
+
+
+def test_fork_a_stale_copy_raises_ebusy_instead_of_reading_old_data() -> None:
+    fa, fb = make_pair(1 << 16, 1 << 16)
+    a, b = Channel.from_fds(fa), Channel.from_fds(fb)
+    assert b.send_into(b"first") == 5
+
+    def child_reads() -> None:
+        buf = bytearray(100)
+        assert bytes(buf[: a.recv_into(buf)]) == b"first"
+
+    assert _in_child(child_reads) == 0
+    buf = bytearray(100)
+    with pytest.raises(OSError) as e:  # "first" is consumed: our cursors are behind
+        a.recv_into(buf)
+    assert e.value.errno == errno.EBUSY and f"process {os.getpid()}" not in str(e.value)
+    with pytest.raises(OSError):
+        a.send_into(b"x")
+    assert not b.readable()  # nothing of ours went out
+    assert not b.aborted
+    a.close()  # the last copy: the peer sees the end gone (the owner exited without close)
+    b.close()
+
+
+def test_fork_the_owner_can_fork_again_and_either_copy_goes_on() -> None:
+    """Each fork opens a new epoch: the process that used the connection forks again and its
+    new child (a daemon's second fork) may take it over; a copy from an earlier fork may not."""
+    fa, fb = make_pair(1 << 16, 1 << 16)
+    a, b = Channel.from_fds(fa), Channel.from_fds(fb)
+
+    def second_generation() -> None:
+        assert a.send_into(b"child") == 5  # the child claims it
+        assert _in_child(lambda: a.send_into(b"+grandchild")) == 0  # a new epoch: its child
+
+    assert _in_child(second_generation) == 0
+    got = bytearray(100)
+    assert bytes(got[: b.recv_into(got)]) == b"child+grandchild"
+    with pytest.raises(OSError) as e:  # our copy is from the first fork: stale
+        a.send_into(b"x")
+    assert e.value.errno == errno.EBUSY and "belongs to process" in str(e.value)
+    a.close()
+    b.close()
