@@ -208,7 +208,7 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             check=Check(">= 1500/s", at_least("conns_1", 1500), cpu_above("smcd_cpu", 1e6 / 1500)),
         ),
         URow(
-            "connect p50, one at a time",
+            "setup p50 (connect + first send), one at a time",
             "connect_p50",
             "us",
             check=Check("<= 500 us", at_most("connect_p50", 500), cpu_above("smcd_cpu", 500)),

@@ -20,7 +20,8 @@ Clients:
                                    the sink's ack
   rr PORT SIZE ROUNDS WARMUP       SIZE bytes out, SIZE bytes back; round-trip p50/p99 in us
   conns PORT N WARMUP PROCS        N connections (connect, 1-byte echo, close) from PROCS
-                                   processes; connections/s and connect p50 in us
+                                   processes; connections/s and the setup p50 in us (connect
+                                   and the first sendall())
   open PORT N                      open N connections, print ``OPEN``, wait for stdin EOF
   bound TOTAL RECV STRIDE          the sink's loop reading from memory: its own bound in bytes/s
 """
@@ -206,10 +207,12 @@ def rr(port: int, size: int, rounds: int, warmup: int) -> None:
 
 
 def _one(port: int, times: list[int]) -> None:
+    # Setup ends once the first byte is sent: smc-run's connect() returns before smcd's reply,
+    # which the first send() waits for (a program that connects and accepts in one thread).
     t0 = time.perf_counter_ns()
     sock = socket.create_connection(("127.0.0.1", port))
-    times.append(time.perf_counter_ns() - t0)
     sock.sendall(b"x")
+    times.append(time.perf_counter_ns() - t0)
     if sock.recv(1) != b"x":
         raise ConnectionError("no echo")
     sock.close()

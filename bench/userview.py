@@ -11,7 +11,8 @@ for acceleration.
 The figures (issue 10): bulk 64 KiB ``sendall``s to a receiver that only reads, and to one that
 checks a sample of every read (with that receiver's own bound: the same loop reading memory);
 request/response round trips at 1 B, 1 KiB and 64 KiB; connections per second (connect,
-1-byte echo, close) one at a time and several at a time, with the connect p50; and the
+1-byte echo, close) one at a time and several at a time, with the setup p50 (``connect()`` and
+the first ``sendall()``: under smc-run the reply to the handoff is read by the first send); and the
 resident memory (PSS, so shared pages count once) of smcd and both applications holding idle
 connections.
 """

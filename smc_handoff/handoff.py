@@ -74,15 +74,19 @@ if TYPE_CHECKING:
 __all__ = [
     "CLC_EYECATCHERS",
     "ChannelState",
+    "Handed",
     "NoDaemon",
+    "Offer",
     "Registration",
     "StreamMark",
+    "answer",
     "answer_late_proposal",
     "clc_at_head",
     "connect_daemon",
     "daemon_exited",
     "exchange",
     "hand_over",
+    "offer",
     "reset",
     "unexpected",
 ]
@@ -502,15 +506,43 @@ def _unsent(sock: _socket.socket, server_side: bool, fallback: Fallback, what: s
     return fallback if server_side else _decline_first(sock, fallback)
 
 
+Handed = tuple[_socket.socket, messages.Channel, list[int]]
+"""A CHANNEL reply: the open control connection, the reply and its descriptors."""
+
+
+@dataclass
+class Offer:
+    """A handoff whose request is with the daemon and whose reply is not read yet
+    (:func:`offer`); :func:`answer` reads it. It holds no reference to the socket (a socket
+    that keeps one to itself would wait for the garbage collector to be closed)."""
+
+    request: messages.Connect | messages.Accept
+    ctl: _socket.socket
+    pid: int
+    before: StreamMark
+    timeout: float
+
+
 def hand_over(
     sock: _socket.socket,
     request: messages.Connect | messages.Accept,
     precheck: Callable[[], Fallback | None] | None = None,
-) -> tuple[_socket.socket, messages.Channel, list[int]] | Fallback:
+) -> Handed | Fallback:
     """Offer the connected TCP ``sock`` to the daemon: the open control connection, CHANNEL reply
     and its fds; or the fallback, with the stream as the application left it; or, when that is
     not so, :class:`ConnectionResetError`/:class:`TimeoutError` after resetting the connection.
     ``precheck`` runs once a daemon answered, before anything is sent."""
+    sent = offer(sock, request, precheck)
+    return sent if isinstance(sent, Fallback) else answer(sock, sent)
+
+
+def offer(
+    sock: _socket.socket,
+    request: messages.Connect | messages.Accept,
+    precheck: Callable[[], Fallback | None] | None = None,
+) -> Offer | Fallback:
+    """The first half of :func:`hand_over`: send the request with the descriptor and return
+    without waiting for the reply; or the fallback when the descriptor never left."""
     what = request.TYPE.name
     server_side = isinstance(request, messages.Accept)
     timeout = messages.handoff_timeout()
@@ -529,6 +561,15 @@ def hand_over(
         ctl.close()
         text = f"handoff connection failed during {what}: {e}"
         return _unsent(sock, server_side, messages.daemon_unavailable(text), what)
+    return Offer(request, ctl, pid, before, timeout)
+
+
+def answer(sock: _socket.socket, sent: Offer) -> Handed | Fallback:
+    """The second half of :func:`hand_over`: wait for the reply to ``sent`` (the offer of
+    ``sock``) and act on it."""
+    ctl, before, timeout = sent.ctl, sent.before, sent.timeout
+    what = sent.request.TYPE.name
+    server_side = isinstance(sent.request, messages.Accept)
     try:
         msg, fds = messages.recv_message(ctl, requests=False)
     except TimeoutError:
@@ -545,7 +586,7 @@ def hand_over(
         # reached it. A plain hang-up came after it took the request: only its death (its
         # copies die with it) says it let go.
         unread = isinstance(e, ConnectionResetError)
-        if not unread and not daemon_exited(pid):
+        if not unread and not daemon_exited(sent.pid):
             text = f"smcd hung up on {what} without a reply and still runs ({e})"
             raise _abort(sock, errno.ECONNRESET, text) from None
         fallback = messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")

@@ -35,6 +35,7 @@ import shutil
 import socket as _socket
 import sys
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,17 @@ def report(op: str, sock: SmcSocket, peer: Any) -> None:
     print(f"smc-run[{os.getpid()}]: {op} {peer}: {sock.mode}{conn}{reason}", file=sys.stderr)
 
 
+def _unreported(sock: SmcSocket) -> None:
+    return None
+
+
+def _reporter(peer: Any) -> Callable[[SmcSocket], None]:
+    """What a deferred connect calls once settled: ``smc-run -v``'s line, or nothing."""
+    if not _verbose:
+        return _unreported
+    return lambda sock: report("connect", sock, peer)
+
+
 def report_tcp(op: str, peer: Any, reason: str) -> None:
     """``smc-run -v`` for a connection the upgrade cannot reach (e.g. uvloop's)."""
     if _verbose:
@@ -144,9 +156,10 @@ class AutoSocket(SmcSocket):
         self._loop_accepts = False  # an event loop accepts: it hands connections off itself
 
     def _upgrade_client(self, address: Any) -> None:
+        """Offer the connection to smcd; its reply is read when the socket is first used
+        (see ``SmcSocket._handoff``'s ``defer``: a thread that connects and then accepts)."""
         if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
-            self._handoff(server_side=False)
-            report("connect", self, address)
+            self._handoff(server_side=False, defer=_reporter(address))
 
     @property
     def can_upgrade(self) -> bool:

@@ -46,17 +46,25 @@ import logging
 import os
 import socket as _socket
 import struct
+import threading
 import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from smc_handoff import layout, messages, peer_option
 from smc_handoff.handoff import (
     ChannelState,
+    Handed,
+    Offer,
     Registration,
+    answer,
     answer_late_proposal,
     clc_at_head,
     hand_over,
+    offer,
     reset,
 )
 from smc_handoff.messages import Fallback
@@ -138,6 +146,41 @@ def _load_channel() -> type[_Channel]:
     return Channel
 
 
+@dataclass
+class _Pending:
+    """A client handoff whose reply is still in the control connection (see
+    :meth:`SmcSocket._handoff`'s ``defer``)."""
+
+    sent: Offer
+    done: Callable[[SmcSocket], None]  # called once settled (smc-run -v's line)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_unsettled: weakref.WeakSet[SmcSocket] = weakref.WeakSet()
+
+
+def _settle_all() -> None:
+    """Before ``fork()``: settle every deferred handoff of this process, so that parent and
+    child never both wait for the one reply (both then hold the channel, as after a plain
+    connect)."""
+    for sock in list(_unsettled):
+        with contextlib.suppress(Exception):
+            sock._settle()
+
+
+_fork_watched = False
+
+
+def _watch_fork() -> None:
+    """Register :func:`_settle_all` once, after the channel modules did theirs: fork hooks run
+    in reverse order, so a channel made by a settle is ready before the channel's own hook
+    (``channel_base``) prepares every channel for the fork."""
+    global _fork_watched
+    if not _fork_watched:
+        _fork_watched = True
+        os.register_at_fork(before=_settle_all)
+
+
 # --- the socket -------------------------------------------------------------------------------
 
 
@@ -146,6 +189,7 @@ class SmcSocket(_BaseSocket):
 
     _smc: _Smc | None
     _fallback: Fallback | None
+    _pending: _Pending | None = None
 
     def __init__(
         self,
@@ -159,37 +203,45 @@ class SmcSocket(_BaseSocket):
         self._fallback = None
         self._gone = False  # really closed (``_closed`` is set while makefile()s keep it open)
         self._clc_guard = False  # a server half on TCP: its first read answers a late Proposal
+        self._pending = None
 
     # -- what it is ----------------------------------------------------------------------------
 
     @property
     def mode(self) -> str:
         """``"smcd"``, ``"smcr"`` or ``"tcp"``."""
-        smc = self._smc
+        smc = self._smc if self._pending is None else self._settle()
         return _MODE_NAMES[smc.info.mode] if smc is not None else "tcp"
 
     @property
     def fallback(self) -> Fallback | None:
         """Why this socket stayed on TCP (code, name, explanation, peer_diagnosis); None on SMC
         or before any handoff was tried."""
+        if self._pending is not None:
+            self._settle()
         return self._fallback
 
     @property
     def channel(self) -> _Channel | None:
         """The shared-memory channel in SMC mode (for an event loop's transport), else None."""
-        return self._smc.channel if self._smc is not None else None
+        smc = self._smc if self._pending is None else self._settle()
+        return smc.channel if smc is not None else None
 
     @property
     def conn_id(self) -> int | None:
         """The daemon's connection id (smcctl conns), None on TCP."""
-        return self._smc.conn_id if self._smc is not None else None
+        smc = self._smc if self._pending is None else self._settle()
+        return smc.conn_id if smc is not None else None
 
     def __repr__(self) -> str:
         base = super().__repr__()
-        return f"{base[:-1]}, mode={self.mode}>" if base.endswith(">") else base
+        mode = "pending" if self._pending is not None else self.mode  # repr never waits
+        return f"{base[:-1]}, mode={mode}>" if base.endswith(">") else base
 
     def fileno(self) -> int:
         smc = self._smc
+        if smc is None and self._pending is not None:
+            smc = self._settle()
         if smc is not None:
             return smc.channel.fileno()
         return super().fileno()
@@ -203,19 +255,41 @@ class SmcSocket(_BaseSocket):
         timeout: float | _Keep | None = _KEEP,
         *,
         fail: bool = True,
+        defer: Callable[[SmcSocket], None] | None = None,
     ) -> None:
         """Offer this connected TCP socket to the daemon; on CHANNEL switch to SMC. ``timeout``
         is the socket timeout to apply afterwards (default: keep the current one). When the
         stream cannot be given back as it was (:mod:`smc_handoff.handoff`) the connection is
         reset and the error raised, or with ``fail=False`` (what ``accept`` does, as the
-        kernel's AF_SMC hands out a failed socket) kept: the application's first call fails."""
+        kernel's AF_SMC hands out a failed socket) kept: the application's first call fails.
+
+        ``defer`` (a client's ``connect()`` under smc-run; called with the socket once the reply
+        is read): send
+        the request and return at once. The reply is read by the first call that needs it (data,
+        ``fileno()``, ``mode``, ``close()``...) or before a ``fork()``. Why: the kernel runs
+        the server's side of CLC before its application accepts, so a program that connects
+        and then accepts in the same thread gets SMC at once; here the server's half only
+        starts when its application accepts, and a ``connect()`` that waited for the reply
+        would wait for that ``accept()`` until the daemon gave up (``timeouts.clc_wait``)."""
         if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
         if not dmb_size:
             dmb_size = _rcvbuf_hint(self)
         request = messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
-        what = request.TYPE.name
         blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
+        if defer is not None and not server_side:
+            try:
+                sent = offer(self, request, _channel_refused)
+            finally:
+                self.settimeout(blocking)
+            if isinstance(sent, Offer):  # the channel modules are loaded (_channel_refused)
+                _watch_fork()
+                self._pending = _Pending(sent, defer)
+                _unsettled.add(self)
+                return
+            self._take(sent, server_side, fail)
+            defer(self)
+            return
         try:
             result = hand_over(self, request, _channel_refused)
         except OSError as e:
@@ -225,6 +299,31 @@ class SmcSocket(_BaseSocket):
             return
         finally:
             self.settimeout(blocking)  # the daemon's copy shares O_NONBLOCK: re-apply ours
+        self._take(result, server_side, fail)
+
+    def _settle(self) -> _Smc | None:
+        """Read the reply of a deferred handoff (see :meth:`_handoff`) and act on it; the SMC
+        state after it. Threads that use the socket meanwhile wait for the one that reads."""
+        pending = self._pending
+        if pending is None:
+            return self._smc
+        with pending.lock:
+            if self._pending is not pending:  # another thread settled it
+                return self._smc
+            try:
+                try:
+                    result = answer(self, pending.sent)
+                finally:
+                    self.settimeout(self.gettimeout())  # the daemon's copy shared O_NONBLOCK
+                self._take(result, False, True)  # the state first: other threads look at it
+            finally:
+                self._pending = None
+                _unsettled.discard(self)
+        pending.done(self)
+        return self._smc
+
+    def _take(self, result: Handed | Fallback, server_side: bool, fail: bool) -> None:
+        """Act on the outcome of a handoff: TCP with its reason, or the channel."""
         if isinstance(result, Fallback):
             self._set_fallback(result)
             self._clc_guard = server_side and not result.after_decline
@@ -250,6 +349,7 @@ class SmcSocket(_BaseSocket):
         )
         self._fallback = None
         if log.isEnabledFor(logging.DEBUG):
+            what = "ACCEPT" if server_side else "CONNECT"
             log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, self.mode)
 
     def _set_fallback(self, reason: Fallback) -> None:
@@ -258,10 +358,14 @@ class SmcSocket(_BaseSocket):
         log.debug("staying on TCP: %s", reason)
 
     def _live(self) -> _Smc | None:
-        """The SMC state, None in TCP mode; EBADF once really closed."""
+        """The SMC state, None in TCP mode; EBADF once really closed. A deferred handoff is
+        settled first."""
         if self._gone:
             raise _ebadf()
-        return self._smc
+        smc = self._smc
+        if smc is None and self._pending is not None:
+            smc = self._settle()
+        return smc
 
     def _tcp_read(self, flags: int = 0) -> None:
         """Before a read in TCP mode: a server half's first read answers a late CLC Proposal
@@ -487,6 +591,9 @@ class SmcSocket(_BaseSocket):
         return None
 
     def _real_close(self, _ss: Any = _csocket.socket) -> None:
+        if self._pending is not None:  # the channel, if any, is closed as any other
+            with contextlib.suppress(OSError):
+                self._settle()
         smc, self._smc = self._smc, None
         self._gone = True
         if smc is not None:
@@ -503,6 +610,9 @@ class SmcSocket(_BaseSocket):
     def abort(self) -> None:
         """Close at once, resetting the connection (the peer sees ECONNRESET), as SO_LINGER 0."""
         smc = self._smc
+        if smc is None and self._pending is not None:
+            with contextlib.suppress(OSError):
+                smc = self._settle()
         if smc is not None:
             smc.channel.abort()
         else:
@@ -524,6 +634,8 @@ class SmcSocket(_BaseSocket):
         TLS at both ends, both leave before the handshake); ``OSError(EOPNOTSUPP)`` once data
         moved. Nothing to do in TCP mode."""
         smc = self._smc
+        if smc is None and self._pending is not None:
+            smc = self._settle()
         if smc is None:
             return
         if self._gone:
@@ -550,7 +662,7 @@ class SmcSocket(_BaseSocket):
         return super().detach()
 
     def dup(self) -> Self:
-        if self._smc is not None:
+        if self._live() is not None:
             raise OSError(errno.EOPNOTSUPP, "an SMC socket cannot be duplicated")
         return super().dup()
 

@@ -156,7 +156,7 @@ USER_ROWS = [
     ("bound: Python shared-memory echo, one CPU, p50", "us", None, "bound"),
     ("round trip 64 KiB, p99", "us", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
-    ("connect p50, one at a time", "us", "<= 500 us", "cmp"),
+    ("setup p50 (connect + first send), one at a time", "us", "<= 500 us", "cmp"),
     ("bound: smcd CPU per connection", "us", None, "bound"),
     ("bound: minimal Python handoff chain", "1/s", None, "bound"),
     ("bound: minimal Python handoff chain, p50", "us", None, "bound"),
@@ -171,7 +171,7 @@ USER_KEYS = {
     "round trip 1 KiB, p50": "rr_1k_p50",
     "round trip 64 KiB, p50": "rr_64k_p50",
     "connections/s, one at a time": "conns_1",
-    "connect p50, one at a time": "connect_p50",
+    "setup p50 (connect + first send), one at a time": "connect_p50",
     "memory, 20 idle connections": "memory",
 }
 

@@ -305,6 +305,144 @@ def test_slow_reader_gets_every_byte(nocfg: PrivateSmcd) -> None:
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+ONE_THREAD = r"""
+import os, socket
+lsock = socket.socket()
+lsock.bind(("127.0.0.1", 0))
+lsock.listen(8)
+pairs = []
+for _ in range(3):  # connect, then accept, in this one thread (as test suites do)
+    c = socket.create_connection(lsock.getsockname())
+    s, _ = lsock.accept()
+    pairs.append((c, s))
+for c, s in pairs:
+    out, back = os.urandom(200_000), os.urandom(70_000)
+    c.sendall(out)
+    got = bytearray()
+    while len(got) < len(out):
+        got += s.recv(1 << 20)
+    s.sendall(back)
+    echo = bytearray()
+    while len(echo) < len(back):
+        echo += c.recv(1 << 20)
+    assert (bytes(got), bytes(echo)) == (out, back)
+    c.close()
+    assert s.recv(10) == b""
+    s.close()
+print("ONE THREAD OK", flush=True)
+"""
+
+
+def test_one_thread_connects_then_accepts_on_smcd(nocfg: PrivateSmcd) -> None:
+    """The kernel runs the server's side of CLC before the application accepts; smcd's server
+    half starts at the ACCEPT. smc-run's connect() therefore returns once its request is with
+    smcd, and the first use of the socket reads the reply: a program that connects and then
+    accepts in one thread gets SMC at once (it waited for ``timeouts.clc_wait`` and fell
+    back, both ends on TCP, before)."""
+    proc = subprocess.run(_smc_run(_env(nocfg), ONE_THREAD), capture_output=True, text=True,
+                          env=_env(nocfg), timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "ONE THREAD OK\n", proc.stderr
+    modes = _modes(proc.stderr)
+    assert sorted(modes) == [("accept", "smcd", None)] * 3 + [("connect", "smcd", None)] * 3, modes
+
+
+FORKING_SERVER = r"""
+import socketserver, time
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        time.sleep(0.05)  # the parent has closed its copy of the connection by now
+        while data := self.request.recv(1 << 16):
+            self.request.sendall(data)
+
+with socketserver.ForkingTCPServer(("127.0.0.1", 0), Echo) as server:
+    print("PORT", server.server_address[1], flush=True)
+    server.serve_forever()
+"""
+
+ECHO_CLIENT = r"""
+import os, socket, sys
+for i in range(3):
+    sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    msg = os.urandom(300_000)
+    sock.sendall(msg)
+    got = bytearray()
+    while len(got) < len(msg):
+        k = sock.recv(1 << 20)
+        assert k, f"EOF after {len(got)}"
+        got += k
+    assert bytes(got) == msg
+    sock.close()
+print("ECHO OK", flush=True)
+"""
+
+
+def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
+    """socketserver.ForkingTCPServer: the parent closes its copy of each accepted connection
+    right after fork() while the child serves it. The parent's close only lets go of its copy
+    (it used to close the channel, and the child's connection was reset)."""
+    env = _env(nocfg)
+    server = subprocess.Popen(_smc_run(env, FORKING_SERVER), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, ECHO_CLIENT, port), capture_output=True,
+                                text=True, env=env, timeout=60)  # fmt: skip
+    finally:
+        server.terminate()
+        _, serr = server.communicate(timeout=30)
+    assert client.returncode == 0 and client.stdout == "ECHO OK\n", (client.stderr, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
+    assert "Traceback" not in serr, serr
+
+
+FORKING_CLIENT = r"""
+import errno, os, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.sendall(b"before the fork")
+assert sock.recv(100) == b"before the fork"
+pid = os.fork()
+if pid == 0:  # the child goes on with the connection, as a daemon's child does
+    sock.sendall(b"from the child")
+    ok = sock.recv(100) == b"from the child"
+    sock.close()
+    os._exit(0 if ok else 1)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+try:  # the parent's copy is stale: the child moved the stream on
+    sock.sendall(b"from the parent")
+except OSError as e:
+    assert e.errno == errno.EBUSY, e
+    print("PARENT REFUSED:", e, flush=True)
+sock.close()
+"""
+
+
+def test_after_fork_one_process_owns_a_connection(nocfg: PrivateSmcd) -> None:
+    """A client that used its connection, forked, and let the child go on: the child's calls
+    work (the first use after a fork claims the channel); the parent's copy, whose cursors the
+    child has moved past, raises EBUSY instead of reading or writing at stale positions."""
+    env = _env(nocfg)
+    server = subprocess.Popen(_smc_run(env, SERVER, "127.0.0.1", 0, "echo"), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, FORKING_CLIENT, port), capture_output=True,
+                                text=True, env=env, timeout=60)  # fmt: skip
+        _, serr = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert client.returncode == 0, client.stderr
+    assert client.stdout.startswith("PARENT REFUSED: [Errno 16]"), client.stdout
+    assert "belongs to process" in client.stdout, client.stdout
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
+
+
 # --- two hosts ------------------------------------------------------------------------------
 
 
