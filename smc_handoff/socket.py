@@ -25,7 +25,13 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
 - as with the kernel's AF_SMC, ``send`` after the peer closed raises
   :class:`ConnectionResetError` at once, where TCP accepts one more write before the RST;
 - a select loop may see a rare spurious readiness right after data was consumed (a late
-  wakeup); a non-blocking ``recv`` then raises :class:`BlockingIOError` and clears it.
+  wakeup); a non-blocking ``recv`` then raises :class:`BlockingIOError` and clears it;
+- after ``fork()`` one process owns the connection: the first data call claims it, the other
+  process's copy raises ``OSError(EBUSY)`` (its positions are stale) and closes quietly
+  (:class:`smc_handoff.channel_base.ChannelBase`).
+
+Under smc-run a client's ``connect()`` returns once its request is with smcd; the first call
+that needs the connection reads smcd's answer (see :meth:`SmcSocket._handoff`, ``defer``).
 
 When no daemon answers (no socket at the handoff path, connection refused, an untrusted owner)
 or the daemon refuses, every call degrades to plain TCP with the local reason
