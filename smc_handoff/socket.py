@@ -270,13 +270,14 @@ class SmcSocket(_BaseSocket):
         kernel's AF_SMC hands out a failed socket) kept: the application's first call fails.
 
         ``defer`` (a client's ``connect()`` under smc-run; called with the socket once the reply
-        is read): send
-        the request and return at once. The reply is read by the first call that needs it (data,
-        ``fileno()``, ``mode``, ``close()``...) or before a ``fork()``. Why: the kernel runs
-        the server's side of CLC before its application accepts, so a program that connects
-        and then accepts in the same thread gets SMC at once; here the server's half only
-        starts when its application accepts, and a ``connect()`` that waited for the reply
-        would wait for that ``accept()`` until the daemon gave up (``timeouts.clc_wait``)."""
+        is read): send the request and return at once. The reply is read by the first call that
+        needs it (data, ``fileno()``, ``mode``, ``close()``...) or before a ``fork()``.
+
+        Why: the kernel runs the server's side of CLC before its application accepts, so a
+        program that connects and then accepts in the same thread gets SMC at once. Here the
+        server's half only starts when its application accepts, and a ``connect()`` that waited
+        for the reply would wait for that ``accept()`` until the daemon gave up
+        (``timeouts.clc_wait``)."""
         if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
         if not dmb_size:
@@ -355,8 +356,9 @@ class SmcSocket(_BaseSocket):
         )
         self._fallback = None
         if log.isEnabledFor(logging.DEBUG):
-            what = "ACCEPT" if server_side else "CONNECT"
-            log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, self.mode)
+            what = "ACCEPT" if server_side else "CONNECT"  # (not self.mode: a settle holds
+            mode = _MODE_NAMES[reply.mode]  # the lock that reading .mode would take again)
+            log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, mode)
 
     def _set_fallback(self, reason: Fallback) -> None:
         self._smc = None

@@ -333,14 +333,17 @@ print("ONE THREAD OK", flush=True)
 """
 
 
-def test_one_thread_connects_then_accepts_on_smcd(nocfg: PrivateSmcd) -> None:
+@pytest.mark.parametrize("debug", [False, True])
+def test_one_thread_connects_then_accepts_on_smcd(nocfg: PrivateSmcd, debug: bool) -> None:
     """The kernel runs the server's side of CLC before the application accepts; smcd's server
     half starts at the ACCEPT. smc-run's connect() therefore returns once its request is with
     smcd, and the first use of the socket reads the reply: a program that connects and then
     accepts in one thread gets SMC at once (it waited for ``timeouts.clc_wait`` and fell
-    back, both ends on TCP, before)."""
-    proc = subprocess.run(_smc_run(_env(nocfg), ONE_THREAD), capture_output=True, text=True,
-                          env=_env(nocfg), timeout=60)  # fmt: skip
+    back, both ends on TCP, before). With ``-d`` the settle's debug line runs too."""
+    argv = _smc_run(_env(nocfg), ONE_THREAD)
+    if debug:
+        argv.insert(2, "-d")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(nocfg), timeout=60)
     assert proc.returncode == 0 and proc.stdout == "ONE THREAD OK\n", proc.stderr
     modes = _modes(proc.stderr)
     assert sorted(modes) == [("accept", "smcd", None)] * 3 + [("connect", "smcd", None)] * 3, modes
