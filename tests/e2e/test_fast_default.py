@@ -380,21 +380,36 @@ print("ECHO OK", flush=True)
 """
 
 
+def _serve_then_run(
+    daemon: PrivateSmcd, server: list[str], client_code: str, *, forever: bool = False
+) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str]:
+    """Start ``server`` (a program under smc-run that prints "PORT n"), run ``client_code`` under
+    smc-run against it; the client's result, the server process and its stderr once it ended
+    (``forever``: it serves until stopped, so it is stopped)."""
+    env = _env(daemon)
+    proc = subprocess.Popen(server, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = proc.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, client_code, port), capture_output=True,
+                                text=True, env=env, timeout=60)  # fmt: skip
+        if forever:
+            proc.terminate()
+        _, serr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return client, proc, serr
+
+
 def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
     """socketserver.ForkingTCPServer: the parent closes its copy of each accepted connection
     right after fork() while the child serves it. The parent's close only lets go of its copy
     (it used to close the channel, and the child's connection was reset)."""
-    env = _env(nocfg)
-    server = subprocess.Popen(_smc_run(env, FORKING_SERVER), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, ECHO_CLIENT, port), capture_output=True,
-                                text=True, env=env, timeout=60)  # fmt: skip
-    finally:
-        server.terminate()
-        _, serr = server.communicate(timeout=30)
+    server = _smc_run(_env(nocfg), FORKING_SERVER)
+    client, _, serr = _serve_then_run(nocfg, server, ECHO_CLIENT, forever=True)
     assert client.returncode == 0 and client.stdout == "ECHO OK\n", (client.stderr, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
@@ -426,19 +441,8 @@ def test_after_fork_one_process_owns_a_connection(nocfg: PrivateSmcd) -> None:
     """A client that used its connection, forked, and let the child go on: the child's calls
     work (the first use after a fork claims the channel); the parent's copy, whose cursors the
     child has moved past, raises EBUSY instead of reading or writing at stale positions."""
-    env = _env(nocfg)
-    server = subprocess.Popen(_smc_run(env, SERVER, "127.0.0.1", 0, "echo"), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, FORKING_CLIENT, port), capture_output=True,
-                                text=True, env=env, timeout=60)  # fmt: skip
-        _, serr = server.communicate(timeout=30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    server_argv = _smc_run(_env(nocfg), SERVER, "127.0.0.1", 0, "echo")
+    client, server, serr = _serve_then_run(nocfg, server_argv, FORKING_CLIENT)
     assert client.returncode == 0, client.stderr
     assert client.stdout.startswith("PARENT REFUSED: [Errno 16]"), client.stdout
     assert "belongs to process" in client.stdout, client.stdout
