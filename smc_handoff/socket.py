@@ -730,7 +730,7 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
 
 
 def _wrap(sock: _socket.socket, server_side: bool, dmb_size: int, *, fail: bool) -> SmcSocket:
-    if isinstance(sock, SmcSocket) and sock._smc is not None:
+    if isinstance(sock, SmcSocket) and sock._settle() is not None:  # on a channel already
         return sock
     family, kind = _family_of(sock), _type_of(sock)
     if family not in _STREAM_FAMILIES or kind != _SOCK_STREAM:

@@ -543,3 +543,26 @@ def test_no_configuration_two_hosts_fall_back(
     else:  # the server's decline reached the client as the peer's diagnosis
         assert declined[1] in ("SMC_CLC_DECL_NOUEID", "SMC_CLC_DECL_NOSMCD2DEV"), server
         assert f"peer diagnosis {declined[2]}" in (client[2] or ""), (client, server)
+
+
+WRAPPING_CLIENT = r"""
+import socket, sys
+import smc_handoff
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+wrapped = smc_handoff.wrap(sock)  # smc-run already offered it: its answer is pending
+assert wrapped is sock and sock.mode == "smcd", (wrapped, sock.mode)
+sock.sendall(b"wrapped once")
+assert sock.recv(100) == b"wrapped once"
+sock.close()
+print("WRAP OK", flush=True)
+"""
+
+
+def test_wrapping_a_connection_smc_run_offered_hands_it_off_once(nocfg: PrivateSmcd) -> None:
+    """``smc_handoff.wrap`` on a socket whose handoff smc-run started waits for that handoff's
+    answer and returns the socket; it does not leave the channel to hand the socket off again."""
+    server_argv = _smc_run(_env(nocfg), SERVER, "127.0.0.1", 0, "echo")
+    client, server, serr = _serve_then_run(nocfg, server_argv, WRAPPING_CLIENT)
+    assert client.returncode == 0 and client.stdout == "WRAP OK\n", client.stderr
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
