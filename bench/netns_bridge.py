@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,13 @@ ROWS = (
     Row("rr_1b_p50", "round trip 1 B, p50", "us", "lower"),
     Row("rr_64k_p50", "round trip 64 KiB, p50", "us", "lower"),
 )
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a CI job stopped, ``timeout``) ends the run as an exception does: the
+    ``finally`` blocks remove the namespaces and stop the private smcd, which the default
+    action (death on the spot) left behind."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def sh(*argv: str) -> None:
@@ -289,4 +297,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -63,6 +63,7 @@ from asyncio_rows import (  # noqa: E402
 from netns_bridge import (  # noqa: E402
     NETNS_FULL,
     NETNS_QUICK,
+    exit_on_sigterm,
     print_netns_rows,
     run_netns_rows,
 )
@@ -484,4 +485,5 @@ def write_json(path: Path, bench: Bench, plan: Plan, user: UserView | None) -> N
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -56,3 +56,35 @@ def test_quick_netns_rows_are_complete() -> None:
             assert abs(float(shown) - smc / base) <= 0.01 + 0.05 * smc / base, row.group(0)
         assert row.group(6).strip() == "smcd", row.group(0)
     assert not any(n.startswith("smcdbench") for n in _netns()), _netns()
+
+
+def test_a_stopped_run_removes_its_namespaces() -> None:
+    """SIGTERM in the middle of the rows (a CI job cancelled) still tears the namespaces and
+    the private smcd down, as an error would: it used to leave both behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMCD_")}
+    before = _bench_smcds()
+    proc = subprocess.Popen(
+        [sys.executable, os.fspath(RUN), "--sections", "netns", "--quick"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    mine = f"smcdbench{proc.pid % 1000}"
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # progress lines: the first measurement runs in the namespaces
+            if "netns " in line:
+                break
+        assert any(n.startswith(mine) for n in _netns()), _netns()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any(n.startswith(mine) for n in _netns()), _netns()
+    assert _bench_smcds() <= before  # its smcd is gone too
+
+
+def _bench_smcds() -> set[str]:
+    """Pids of the private smcds the two-namespace rows start (their runtime dir's name)."""
+    out = subprocess.run(["pgrep", "-f", "smcd-bench-netns-"], capture_output=True, text=True)
+    return set(out.stdout.split())
