@@ -163,9 +163,19 @@ _FORKED = 1 << 31
 """In the owner word (:data:`~smc_handoff.layout.C_OWNER`): unclaimed since the fork of its
 epoch (the other bits: the epoch << 32, and the pid of the claimer once claimed)."""
 _live: weakref.WeakSet[ChannelBase] = weakref.WeakSet()
+_first_before_fork: list[Callable[[], None]] = []
+
+
+def run_before_fork(fn: Callable[[], None]) -> None:
+    """Have ``fn`` run before ``fork()`` ahead of the channels' own preparation (the socket
+    layer reads pending handoff answers there, which may make channels), once."""
+    if fn not in _first_before_fork:
+        _first_before_fork.append(fn)
 
 
 def _before_fork() -> None:
+    for fn in _first_before_fork:
+        fn()
     for ch in list(_live):
         ch._fork_prepare()
 
@@ -437,6 +447,7 @@ class ChannelBase:
         self._closed = True
         self._fence = True
         self._stop_fast()
+        _live.discard(self)
         if self._level:
             link_watcher().remove(self._link_fd)
         self._link.close()  # the peer sees POLLHUP

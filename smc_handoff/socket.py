@@ -143,11 +143,14 @@ _ring_module: Any = None
 
 def _load_channel() -> type[_Channel]:
     """Import the channel modules once (an import statement in the handoff would look them up
-    again on every connection)."""
+    again on every connection). Deferred handoff answers are read before a fork, ahead of the
+    channels' own preparation for it (a read may make a channel)."""
     global _channel_class, _ring_module
     from smc_handoff import layout as _ring
     from smc_handoff.channel import Channel
+    from smc_handoff.channel_base import run_before_fork
 
+    run_before_fork(_settle_all)
     _ring_module, _channel_class = _ring, Channel
     return Channel
 
@@ -172,19 +175,6 @@ def _settle_all() -> None:
     for sock in list(_unsettled):
         with contextlib.suppress(Exception):
             sock._settle()
-
-
-_fork_watched = False
-
-
-def _watch_fork() -> None:
-    """Register :func:`_settle_all` once, after the channel modules did theirs: fork hooks run
-    in reverse order, so a channel made by a settle is ready before the channel's own hook
-    (``channel_base``) prepares every channel for the fork."""
-    global _fork_watched
-    if not _fork_watched:
-        _fork_watched = True
-        os.register_at_fork(before=_settle_all)
 
 
 # --- the socket -------------------------------------------------------------------------------
@@ -289,8 +279,7 @@ class SmcSocket(_BaseSocket):
                 sent = offer(self, request, _channel_refused)
             finally:
                 self.settimeout(blocking)
-            if isinstance(sent, Offer):  # the channel modules are loaded (_channel_refused)
-                _watch_fork()
+            if isinstance(sent, Offer):  # (a fork reads the answer first: _load_channel)
                 self._pending = _Pending(sent, defer)
                 _unsettled.add(self)
                 return
