@@ -42,8 +42,9 @@ Close (RFC 7609 §4, Linux ``smc_close.c``): :meth:`Channel.shutdown_write` sets
 :meth:`Channel.close` sets ``peer_conn_closed``, or aborts (``peer_conn_abort`` → the peer gets
 ``ConnectionResetError``) when received data is still unread; :meth:`Channel.abort` always aborts.
 Liveness needs no daemon: each end holds one end of a ``SOCK_SEQPACKET`` socketpair, the *peer
-link*; when a process dies the kernel closes its end and the survivor sees ``POLLHUP``, which is
-an abort unless the peer had closed cleanly.
+link*; when a process dies the kernel closes its end and the survivor sees ``POLLHUP``. A peer
+that had not closed gets the close its kernel would have made for it (``smc_close_final``):
+``peer_conn_closed`` when it had read everything, else an abort (TCP's FIN or RST).
 
 Modules: this one holds :class:`Channel`'s data path; its state, flags, kicks, waits, liveness
 and close are in :mod:`smc_handoff.channel_base` (the base class), the wakeup primitives in
@@ -591,7 +592,8 @@ class Channel(ChannelBase):
 
     @property
     def aborted(self) -> bool:
-        """The connection was reset: by us, by the peer, or by the peer's death."""
+        """The connection was reset: by us, by the peer, or by the end of the peer's process
+        while data it was sent was unread (or, over SMC-R, by the daemon's death)."""
         if self._local_abort or self._peer_died or self._violation is not None:
             return True
         if self._closed:

@@ -710,7 +710,8 @@ class ChannelBase:
 
     def _check_link(self) -> bool:
         """Look (without blocking) whether the peer's end of the link is gone. A gone peer
-        that had not closed cleanly has died: that is an abort. True when the link is gone."""
+        that had not closed ended with its process: a close or an abort as the kernel would
+        have sent for it (:meth:`_exit_closes`). True when the link is gone."""
         if self._link_dead:
             return True
         if self._closed:
@@ -733,12 +734,29 @@ class ChannelBase:
         if not gone:
             return False
         self._link_dead = True
-        flags = self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT  # stored before the peer's close()
-        if not flags & (PEER_CONN_CLOSED | PEER_CONN_ABORT):
-            self._peer_died = True
-            self._dead = True
-            self._stop_fast()
+        hdr = self._rx_hdr
+        word = hdr[W_CONS]  # the flags are stored before the peer's close() closes the link
+        if not word >> CSFLAGS_SHIFT & (PEER_CONN_CLOSED | PEER_CONN_ABORT):
+            if self._exit_closes(word):
+                # No process holds the peer's end any more, so nobody else writes this word.
+                hdr[W_CONS] = word | (PEER_DONE_WRITING | PEER_CONN_CLOSED) << CSFLAGS_SHIFT
+            else:
+                self._peer_died = True
+                self._dead = True
+                self._stop_fast()
         return True
+
+    def _exit_closes(self, peer_cons_word: int) -> bool:
+        """The peer's processes all ended without closing (``os._exit``, a signal, the last
+        copy after a fork): was that a close or an abort? The kernel closes an exiting
+        process's sockets, and ``smc_release`` → ``smc_close_final`` sends ``peer_conn_closed``
+        unless received data is unread (then ``peer_conn_abort``), as TCP sends a FIN or an RST.
+        The peer published its consumer cursor with every read, so what it left unread is what
+        we published beyond it. SMC-D only: an SMC-R channel's peer is the daemon's relay,
+        whose hang-up is the daemon's death, not the remote application's."""
+        if self._rx_size in layout.SMCR_CHANNEL_SIZES:
+            return False
+        return peer_cons_word & CURSOR_MASK == self._tx_hdr[W_PROD] & CURSOR_MASK
 
     @property
     def mode_name(self) -> str:
@@ -759,7 +777,12 @@ class ChannelBase:
         if self._violation:
             raise ConnectionResetError(errno.ECONNRESET, f"{mode} channel: {self._violation}")
         if self._peer_died:
-            raise ConnectionResetError(errno.ECONNRESET, f"{mode} peer died (peer link closed)")
+            why = (
+                "smcd, which relays it, is gone"
+                if self._rx_size in layout.SMCR_CHANNEL_SIZES
+                else "the peer ended without closing and left data unread"
+            )
+            raise ConnectionResetError(errno.ECONNRESET, f"{mode} channel: {why} (link closed)")
         if self._local_abort:
             raise ConnectionResetError(errno.ECONNRESET, f"{mode} connection aborted locally")
         if self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT & PEER_CONN_ABORT:

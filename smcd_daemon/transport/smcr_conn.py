@@ -17,7 +17,8 @@ object. What the channel expects of a peer, the daemon does:
   channel closes it: a fence after arming and a second look 1 ms later; a slow sweep of every
   connection backs that up.
 * **Liveness.** The daemon keeps the other end of the application's peer link: the application's
-  death is a hang-up here (an abort for the remote end unless it had closed), and the daemon's
+  death is a hang-up here (for the remote end the close its exit makes in the kernel: closed,
+  or an abort when it left received data unread; see ``ConnRelay.app_died``), and the daemon's
   death is one for the application (it sees ``ECONNRESET``), unlike loopback where applications
   hold both ends.
 """
@@ -196,7 +197,7 @@ class SmcrConnection:
         self._drop_link_reader()
         self.scan()  # close flags published before the hang-up
         if not self.relay.app_gone:
-            why = "" if self.relay.app_csflags else " without closing (abort)"
+            why = "" if self.relay.app_csflags else " without closing"
             log.debug("SMC-R connection %d: application hung up%s", self.conn_id, why)
             self.relay.app_died()
         self._want_send(self)

@@ -207,11 +207,19 @@ class ConnRelay:
             self.abort("the application aborted the connection")
 
     def app_died(self) -> None:
-        """The application's end of the peer link hung up. Without a close flag first, it died:
-        the peer gets an abort."""
+        """The application's end of the peer link hung up without a close flag first: its
+        process ended (``os._exit``, a signal). The kernel closes an exiting process's sockets,
+        and ``smc_close_final`` sends ``peer_conn_closed``, or ``peer_conn_abort`` when received
+        data is unread (TCP's FIN or RST); the peer gets what the application's ``close()``
+        would have sent. Its consumer cursor was published with every read, so ``app_cons``
+        is exact."""
         self.app_gone = True
-        if not self.app_csflags & ConnStateFlag.PEER_CONN_CLOSED and not self.aborted:
-            self.abort("the application went away without closing")
+        if self.app_csflags & ConnStateFlag.PEER_CONN_CLOSED or self.aborted:
+            return
+        if self.app_cons == self.peer_prod:
+            self.app_csflags |= ConnStateFlag.PEER_DONE_WRITING | ConnStateFlag.PEER_CONN_CLOSED
+        else:
+            self.abort("the application went away without closing, with received data unread")
 
     def abort(self, why: str) -> None:
         """Abort locally: the peer is told (``peer_conn_abort``) and the application sees a

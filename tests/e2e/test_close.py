@@ -1,9 +1,12 @@
 """Every close path of a channel the daemon built (RFC 7609 §4 semantics, as a TCP socket shows
 them): both orders, half-close, close with unread data (the peer sees ECONNRESET) and SIGKILL of
-either side (the peer sees ECONNRESET within a second, through the peer link)."""
+either side, seen within a second through the peer link: the close the kernel makes for an exiting
+process (``smc_close_final``): EOF after the dead end's data when it had read everything, as TCP's
+FIN, else ECONNRESET, as TCP's RST)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -52,10 +55,29 @@ def test_close_with_unread_data_resets_the_peer(smcd: Smcd, apps: Any) -> None:
 
 
 @pytest.mark.parametrize("victim", ["client", "server"])
-def test_sigkill_is_a_reset_within_a_second(smcd: Smcd, apps: Any, victim: str) -> None:
+def test_sigkill_after_reading_everything_is_eof_within_a_second(
+    smcd: Smcd, apps: Any, victim: str
+) -> None:
     server, client, _ = pair(apps)
     ends = {"client": client, "server": server}
     killed, survivor = ends[victim], ends["server" if victim == "client" else "client"]
+    survivor.send("recv_all")
+    sent = killed.call("send", n=300_007, seed=3, chunk=4093)
+    t_kill = time.monotonic()
+    killed.kill()
+    got = survivor.reply(timeout=5)
+    assert got.get("eof") and (got["n"], got["sha"]) == (sent["sent"], sent["sha"]), got
+    assert time.monotonic() - t_kill < 1.0, got
+
+
+@pytest.mark.parametrize("victim", ["client", "server"])
+def test_sigkill_with_data_unread_is_a_reset_within_a_second(
+    smcd: Smcd, apps: Any, victim: str
+) -> None:
+    server, client, _ = pair(apps)
+    ends = {"client": client, "server": server}
+    killed, survivor = ends[victim], ends["server" if victim == "client" else "client"]
+    assert survivor.call("sendbytes", data="never read") == {"ok": True}
     survivor.send("recv_all")
     killed.kill()
     got = survivor.reply(timeout=5)

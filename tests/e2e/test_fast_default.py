@@ -450,6 +450,74 @@ def test_after_fork_one_process_owns_a_connection(nocfg: PrivateSmcd) -> None:
     assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
 
 
+SINK_SERVER = r"""
+import hashlib, socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+h, n = hashlib.sha256(), 0
+try:
+    while data := conn.recv(65536):
+        h.update(data)
+        n += len(data)
+    print("EOF", n, h.hexdigest(), flush=True)
+except OSError as e:
+    print("ERROR", n, type(e).__name__, e, flush=True)
+"""
+
+EXITING_CLIENT = r"""
+import hashlib, os, signal, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+data = os.urandom(300_001)
+sock.sendall(data)
+print(len(data), hashlib.sha256(data).hexdigest(), flush=True)
+how = sys.argv[2]
+if how == "exit":
+    os._exit(0)  # no close(), no finalizers
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+pid = os.fork()  # "fork": the child writes the last bytes and exits without closing
+if pid == 0:
+    sock.sendall(b"!")
+    os._exit(0)
+os.waitpid(pid, 0)
+sock.close()  # the parent's unused copy lets go quietly: the child's exit ends the connection
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill", "fork"])
+def test_a_process_that_ends_without_closing_closes_as_on_tcp(
+    nocfg: PrivateSmcd, how: str
+) -> None:
+    """A client that exits without close() (``os._exit``, SIGKILL, a forked child that
+    ``os._exit``s): the kernel closes a dead process's sockets, so on TCP the server reads
+    everything, then EOF. On SMC the same, by the close the kernel's ``smc_close_final`` makes
+    when nothing received is unread; it used to be ECONNRESET ("peer died")."""
+    env = _env(nocfg)
+    server = subprocess.Popen(_smc_run(env, SINK_SERVER), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, EXITING_CLIENT, port, how), capture_output=True,
+                                text=True, env=env, timeout=60)  # fmt: skip
+        sout, serr = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    n, sha = client.stdout.split()
+    if how == "fork":  # the child's last byte is part of the stream
+        n = str(int(n) + 1)
+        sha = None
+    words = sout.split()
+    assert words[:2] == ["EOF", n], (sout, serr, client.stderr)
+    if sha is not None:
+        assert words[2] == sha, sout
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 # --- two hosts ------------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""A peer that dies (SIGKILL, no close) reaches an asyncio transport waiting on it, as on TCP.
+"""A peer that dies (SIGKILL, no close) reaches an asyncio transport waiting on it, as on TCP:
+EOF when it had read everything, a reset when our bytes filled its ring unread.
 
 The transport is kicked through the channel's eventfd, which says nothing of a death; the
 peer link, watched for its hang-up only, must wake the loop both while it waits for data and
@@ -49,15 +50,16 @@ def test_peer_killed_while_the_transport_waits(
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
 
-    async def main() -> BaseException:
-        lost: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    async def main() -> BaseException | bytes:
+        lost: asyncio.Future[BaseException | bytes] = asyncio.get_running_loop().create_future()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 assert await reader.readexactly(2) == b"hi"
                 assert aio.smc_socket(writer).mode == "smcd"
                 if waiting_for == "data":
-                    await reader.read(100)
+                    lost.set_result(await reader.read(100))  # b"": EOF
+                    return
                 else:
                     while True:  # until the peer's 16 KiB ring is full and drain waits
                         writer.write(bytes(8192))
@@ -91,4 +93,7 @@ def test_peer_killed_while_the_transport_waits(
         exc = asyncio.run(asyncio.wait_for(main(), 40))
     finally:
         d.stop()
-    assert isinstance(exc, ConnectionResetError), repr(exc)
+    if waiting_for == "data":  # the peer had read our nothing: its exit closed, as TCP's FIN
+        assert exc == b"", repr(exc)
+    else:  # our bytes were unread in its ring: an abort, as TCP's RST
+        assert isinstance(exc, ConnectionResetError), repr(exc)

@@ -218,7 +218,7 @@ def _assert_reset_soon(ch: Channel, t_kill: float, op: str) -> None:
         try:
             if op == "read":
                 if not ch.recv_into(bytearray(1 << 20)):
-                    assert not ch.eof, "a killed peer must not look like an orderly EOF"
+                    assert not ch.eof, "a peer killed with data unread must not look like EOF"
             else:
                 ch.send_into(b"z" * 65536)
         except ConnectionResetError:
@@ -228,7 +228,26 @@ def _assert_reset_soon(ch: Channel, t_kill: float, op: str) -> None:
     assert ch.stats()["peer_died"]
 
 
-def test_sigkill_of_writer_is_seen_by_blocked_reader() -> None:
+def _read_to_eof_soon(ch: Channel, t_kill: float) -> int:
+    """Read until EOF, which must come within a second of the kill; returns the bytes read."""
+    got = 0
+    buf = bytearray(1 << 20)
+    while True:
+        assert ch.wait_readable(2), "no EOF within 2 s of SIGKILL"
+        n = ch.recv_into(buf)
+        if not n:
+            break
+        got += n
+    assert ch.eof and ch.peer_closed and not ch.aborted
+    assert time.monotonic() - t_kill < 1.0
+    assert not ch.stats()["peer_died"]
+    return got
+
+
+def test_sigkill_of_writer_is_an_orderly_close_for_the_reader() -> None:
+    """As on TCP and the kernel's AF_SMC (the exiting process's sockets are closed; SMC's
+    ``smc_close_final`` sends ``peer_conn_closed``): a killed writer that had read everything
+    it was sent ends its stream with EOF, after every byte it published."""
     a, b = make_pair(1 << 20, 1 << 20)
     proc = spawn("hold", b, stream=True, chunk=65536)
     with killed_on_exit(proc), Channel.from_fds(a) as ch:
@@ -236,6 +255,25 @@ def test_sigkill_of_writer_is_seen_by_blocked_reader() -> None:
         buf = bytearray(1 << 20)
         got = 0
         while got < 8 << 20:  # the stream is flowing
+            got += ch.recv_into(buf)
+            ch.wait_readable(5)
+        proc.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        _read_to_eof_soon(ch, t_kill)  # what it published before its death, then EOF
+        with pytest.raises(ConnectionResetError):  # writing to a closed peer resets
+            ch.send_into(b"more")
+
+
+def test_sigkill_of_writer_with_data_unread_is_a_reset() -> None:
+    """The same with bytes we sent that the killed peer never read: an abort, as TCP's RST."""
+    a, b = make_pair(1 << 20, 1 << 20)
+    proc = spawn("hold", b, stream=True, chunk=65536)
+    with killed_on_exit(proc), Channel.from_fds(a) as ch:
+        wait_ready(proc)
+        assert ch.send_into(b"never read") == 10
+        buf = bytearray(1 << 20)
+        got = 0
+        while got < 8 << 20:
             got += ch.recv_into(buf)
             ch.wait_readable(5)
         proc.send_signal(signal.SIGKILL)
@@ -256,12 +294,16 @@ def test_sigkill_of_reader_is_seen_by_blocked_writer() -> None:
         _assert_reset_soon(ch, t_kill, "write")
 
 
-def test_sigkill_wakes_select_on_fileno() -> None:
-    """select() on fileno() (level mode) also wakes for the peer's death."""
+@pytest.mark.parametrize("unread", [False, True], ids=["all-read", "unread"])
+def test_sigkill_wakes_select_on_fileno(unread: bool) -> None:
+    """select() on fileno() (level mode) also wakes for the peer's death: EOF when it had read
+    everything, a reset when it had not."""
     a, b = make_pair(16 << 10, 16 << 10)
     proc = spawn("hold", b)
     with killed_on_exit(proc), Channel.from_fds(a) as ch:
         wait_ready(proc)
+        if unread:
+            assert ch.send_into(b"never read") == 10
         sel = selectors.DefaultSelector()
         sel.register(ch.fileno(), selectors.EVENT_READ)
         assert sel.select(0.1) == []
@@ -269,8 +311,11 @@ def test_sigkill_wakes_select_on_fileno() -> None:
         t_kill = time.monotonic()
         assert sel.select(2), "fileno() not readable after the peer's death"
         assert time.monotonic() - t_kill < 1.0
-        with pytest.raises(ConnectionResetError):
-            ch.recv_into(bytearray(10))
+        if unread:
+            with pytest.raises(ConnectionResetError):
+                ch.recv_into(bytearray(10))
+        else:
+            assert ch.recv_into(bytearray(10)) == 0 and ch.eof and not ch.aborted
         sel.close()
 
 

@@ -583,10 +583,15 @@ def test_cross_process_stream(daemon: MiniDaemon) -> None:
     s.close()
 
 
-def test_sigkill_of_the_peer_is_a_reset_within_a_second(daemon: MiniDaemon) -> None:
+@pytest.mark.parametrize("unread", [False, True], ids=["all-read", "unread"])
+def test_sigkill_of_the_peer_is_seen_within_a_second(daemon: MiniDaemon, unread: bool) -> None:
+    """The killed peer's end is closed as the kernel closes a dead process's sockets: EOF when
+    it had read everything (TCP's FIN), a reset when bytes we sent were unread (TCP's RST)."""
     child, s = _child_connection(daemon, "sleep")
     import select
 
+    if unread:
+        s.sendall(b"the sleeping child never reads this")
     # The child's wakeup for the line we read may land after we read it (its process can be
     # descheduled between publishing and kicking): let it land, then a non-blocking recv, as a
     # select loop does, clears that stale readiness.
@@ -599,8 +604,11 @@ def test_sigkill_of_the_peer_is_a_reset_within_a_second(daemon: MiniDaemon) -> N
     child.send_signal(signal.SIGKILL)
     child.wait(5)
     assert select.select([s], [], [], 2)[0] == [s]
-    with pytest.raises(ConnectionResetError):
-        s.recv(1)
+    if unread:
+        with pytest.raises(ConnectionResetError):
+            s.recv(1)
+    else:
+        assert s.recv(1) == b""
     assert time.monotonic() - t0 < 1.0
     s.close()
 

@@ -198,22 +198,40 @@ def test_checksummed_stream_through_relay_with_real_channels(size: int) -> None:
     asyncio.run(body())
 
 
-def test_application_death_reaches_the_peer_as_abort() -> None:
+@pytest.mark.parametrize("unread", [False, True], ids=["all-read", "unread"])
+def test_application_death_reaches_the_peer_as_its_kernel_close(unread: bool) -> None:
+    """A's application "dies" (its descriptors close without a close flag): B sees the close
+    A's exit would make in the kernel, EOF after A's data; or a reset when A left B's bytes
+    unread."""
+
     async def body() -> None:
         loop = asyncio.get_running_loop()
         _, _, _, conns, finished = make_pair(loop, 16384)
         fds = {k: c.take_app_fds() for k, c in conns.items()}
         for c in conns.values():
             c.start(loop)
+        ca = Channel.from_fds(fds["a"])
         cb = Channel.from_fds(fds["b"])
-        # A's application "dies": its descriptors close without any close flag
-        fds["a"].close()
-        await until(lambda: cb.aborted, "B sees an abort")
-        with pytest.raises(ConnectionResetError):
-            cb.recv_into(bytearray(4))
+        assert ca.send_into(b"last words") == 10
+        if unread:
+            assert cb.send_into(b"never read") == 10
+            await until(lambda: conns["a"].relay.peer_prod == 10, "B's bytes reach A's RMB")
+        ca._release()  # the process's exit: its mappings and descriptors go, no flag is set
+        if unread:
+            await until(lambda: cb.aborted, "B sees an abort")
+            with pytest.raises(ConnectionResetError):
+                cb.recv_into(bytearray(16))
+            assert conns["a"].relay.abort_reason is not None
+            assert "unread" in conns["a"].relay.abort_reason
+        else:
+            await until(lambda: cb.peer_closed, "B sees A's close")
+            buf = bytearray(16)
+            n = cb.recv_into(buf)
+            assert bytes(buf[:n]) == b"last words"
+            assert cb.recv_into(buf) == 0 and cb.eof and not cb.aborted
+            assert not conns["a"].relay.aborted
         cb.close()
         await until(lambda: len(finished) == 2, "both relays finish")
-        assert conns["a"].relay.abort_reason == "the application went away without closing"
 
     asyncio.run(body())
 

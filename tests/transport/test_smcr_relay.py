@@ -145,17 +145,42 @@ def test_close_flags_follow_the_data_and_finish_both_sides() -> None:
     assert b.finished
 
 
-def test_application_death_is_an_abort_for_the_peer() -> None:
+def test_application_death_with_data_unread_is_an_abort_for_the_peer() -> None:
     a, b = pair()
     app_sends(a, 10)
     b.cdc_received(wire(a.next_send()))  # type: ignore[arg-type]
-    a.app_died()
-    tx = a.next_send()
+    b.app_died()  # b's application never read those 10 bytes
+    tx = b.next_send()
     assert tx is not None and tx.cdc.conn_state_flags & ConnStateFlag.PEER_CONN_ABORT
-    view = b.cdc_received(wire(tx))
+    assert b.abort_reason is not None and "unread" in b.abort_reason
+    view = a.cdc_received(wire(tx))
     assert view is not None and view.conn_state_flags & ConnStateFlag.PEER_CONN_ABORT
-    assert b.next_send() is None  # nothing to tell an aborted peer
+    assert a.next_send() is None  # nothing to tell an aborted peer
+    a.app_died()
+    assert a.finished
+
+
+def test_application_death_after_reading_everything_is_a_close_after_its_data() -> None:
+    """As the kernel's ``smc_close_final`` for an exiting process: nothing unread → closed."""
+    a, b = pair()
+    app_sends(a, 10)
+    b.cdc_received(wire(a.next_send()))  # type: ignore[arg-type]
+    app_sends(b, 5, consumed=10)  # b read a's 10 bytes, wrote 5, published both
     b.app_died()
+    tx = b.next_send()
+    assert tx is not None and tx.write == RingWrite(0, 5), "its last data goes first"
+    closed = ConnStateFlag.PEER_DONE_WRITING | ConnStateFlag.PEER_CONN_CLOSED
+    assert tx.cdc.conn_state_flags == closed
+    assert not b.aborted and not b.finished  # waits for a's close, as after a clean close
+    view = a.cdc_received(wire(tx))
+    assert view is not None and view.prod == Cursor(0, 5)
+    assert view.conn_state_flags & ConnStateFlag.PEER_CONN_CLOSED
+    assert not view.conn_state_flags & ConnStateFlag.PEER_CONN_ABORT
+    b.send_done(tx.cdc.seqno)
+    app_sends(a, 10, consumed=5, cs=ConnStateFlag.PEER_CONN_CLOSED)
+    txa = a.next_send()
+    assert txa is not None
+    b.cdc_received(wire(txa))
     assert b.finished
 
 

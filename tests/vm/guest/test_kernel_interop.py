@@ -9,7 +9,8 @@ must work on this kernel for any of this to run on SMC-R.
 Both directions, each checked on both sides (``smc_diag`` for the kernel, ``sock.mode`` and
 ``smcctl conns`` for ours): a 64 MiB checksummed transfer each way at once (crossing the rings'
 wrap many times) that ends with shutdown(SHUT_WR) -> EOF each way; close of either side first;
-kill -9 of one application seen as ECONNRESET on the other; 50 connections on one link group
+kill -9 of one application seen on the other as the kernel's close of a dying process (EOF, or
+ECONNRESET when it left data unread); 50 connections on one link group
 with the QP numbers agreeing (``rdma res show qp`` for the kernel's QP); a decline (no UEID in
 common) with the kernel's reason code and the data intact on TCP; the LLC the kernel initiates:
 CONFIRM/DELETE RKEY, TEST LINK, DELETE LINK ALL (``rmmod smc`` terminates its link groups) and
@@ -153,7 +154,9 @@ elif action == "close":  # scenario args[0]: "first" (send, close) | "last" (rea
     elif args[0] == "hold":  # unread data waits; the test kills us
         say("HOLDING")
         sys.stdin.readline()
-    elif args[0] == "victim":  # blocked in recv when the peer dies
+    elif args[0] in ("victim", "victim-unread"):  # blocked in recv when the peer dies
+        if args[0] == "victim-unread":  # bytes the holder never reads: its death is an abort
+            s.sendall(b"never read")
         s.settimeout(60)
         t0 = time.monotonic()
         try:
@@ -421,34 +424,43 @@ def test_close_either_side_first(peers: Peers, first: str, direction: str) -> No
     assert peers.line(f"{last}-{roles[last]}") == "EOF last words"
 
 
+@pytest.mark.parametrize("unread", [False, True], ids=["all-read", "unread"])
 @pytest.mark.parametrize(("victim", "direction"), VICTIMS)
-def test_kill_9_is_seen_as_reset(peers: Peers, victim: str, direction: str) -> None:
-    """kill -9 of one application: the other end's blocked recv ends at once. smcd aborts the
-    connection of an application that died (CDC ``peer_conn_abort``): the kernel's AF_SMC
-    records ECONNRESET in the socket's error (SO_ERROR) while its blocked recv returns 0 (6.1's
-    ``smc_rx_recvmsg`` looks at RCV_SHUTDOWN before ``sk_err``); a dying kernel application
-    closes its socket in order, so smcd's application sees EOF (or ECONNRESET)."""
+def test_kill_9_closes_as_the_kernel_does(
+    peers: Peers, victim: str, direction: str, unread: bool
+) -> None:
+    """kill -9 of one application: the other end's blocked recv ends at once, with what the
+    kernel sends for a dying process's socket (``smc_close_final``): ``peer_conn_closed`` when
+    it had read everything (EOF, as TCP's FIN), ``peer_conn_abort`` when bytes it was sent were
+    unread (a reset, as TCP's RST). The kernel's own dying application is the oracle for what
+    smcd sends for one of its own. The kernel's AF_SMC records an abort as ECONNRESET in the
+    socket's error (SO_ERROR) while its blocked recv returns 0 (6.1's ``smc_rx_recvmsg`` looks
+    at RCV_SHUTDOWN before ``sk_err``)."""
     port = fresh_port()
     server, client = ("kernel", "smcd") if direction == "s2k" else ("smcd", "kernel")
     roles = {server: "server", client: "client"}
     dying = "smcd" if victim == "kernel" else "kernel"
-    peers.start(server, "close", "server", port, "victim" if server == victim else "hold")
+    how = "victim-unread" if unread else "victim"
+    peers.start(server, "close", "server", port, how if server == victim else "hold")
     assert peers.line(f"{server}-server") == "LISTENING"
-    peers.start(client, "close", "client", port, "victim" if client == victim else "hold")
+    peers.start(client, "close", "client", port, how if client == victim else "hold")
     for kind in (server, client):
         assert peers.line(f"{kind}-{roles[kind]}").startswith("CONNECTED")
     assert peers.line(f"{dying}-{roles[dying]}") == "HOLDING"
     assert kernel_socket(port).mode == "SMCR"
+    if unread:  # the bytes are in the holder's receive buffer before it dies
+        time.sleep(0.5)
     killed = time.monotonic()
     peers.procs[f"{dying}-{roles[dying]}"].send_signal(signal.SIGKILL)
     res = peers.json(f"{victim}-{roles[victim]}")
     took = res["t"] - killed
-    print(f"Linux {KERNEL}: kill -9 of the {dying} app: {victim} saw {res} after {took:.3f} s")
-    if dying == "smcd":
-        reset = res["result"] == "ConnectionResetError" or res.get("so_error") == errno.ECONNRESET
-        assert reset, f"the kernel's end was not reset: {res}"
+    print(f"Linux {KERNEL}: kill -9 of the {dying} app ({'unread' if unread else 'all read'}): "
+          f"{victim} saw {res} after {took:.3f} s")  # fmt: skip
+    reset = res["result"] == "ConnectionResetError" or res.get("so_error") == errno.ECONNRESET
+    if unread:
+        assert reset, f"a death with data unread must reset the other end: {res}"
     else:
-        assert res["result"] in ("ConnectionResetError", "eof"), res
+        assert res["result"] == "eof" and not res.get("so_error"), f"not an orderly close: {res}"
     assert took < 3.0, f"{took:.3f} s (TCG: the bound is loose; the figure is printed)"
 
 

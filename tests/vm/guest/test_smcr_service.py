@@ -305,7 +305,8 @@ time.sleep(600)
 @pytest.mark.timeout(300)
 def test_smcr_close_paths() -> None:
     """shutdown → EOF after the data; close → EOF for the peer; abort → reset; an
-    application killed with SIGKILL → the peer gets ECONNRESET (the daemon holds its link)."""
+    application killed with SIGKILL → EOF for the peer, or ECONNRESET when it left data unread
+    (the daemon holds its link and sends the close its exit would make in the kernel)."""
 
     async def body() -> None:
         async with two_hosts() as h:
@@ -341,32 +342,44 @@ def test_smcr_close_paths() -> None:
                 cb.recv_into(bytearray(10))
             cb.close()
 
-            # 3. the application dies: SIGKILL of a process holding the channel
-            ra, rb, *socks3 = await handoff(h, rmb_size=16 << 10)
-            fds = ra.fds
-            child = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, *map(str, fds.fds()), str(fds.rx_size),
-                 str(fds.tx_size)],
-                pass_fds=fds.fds(), stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            fds.close()
-            cb = Channel.from_fds(rb.fds)
-            try:
-                assert child.stdout is not None
-                line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), WAIT)
-                assert line.strip() == "ready"
-                first = bytearray()
-                await asyncio.to_thread(recv_exactly, cb, 5, deadline, first.extend)
-                assert bytes(first) == b"alive"
-                child.send_signal(signal.SIGKILL)
-                await wait_for(lambda: cb.aborted, "B sees the killed application as an abort")
-                with pytest.raises(ConnectionResetError):
-                    cb.recv_into(bytearray(10))
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    child.kill()
-                child.wait()
-            cb.close()
+            # 3. the application dies: SIGKILL of a process holding the channel. Its exit
+            # closes as the kernel closes a dying process's socket: in order when it had read
+            # everything (the peer reads its data, then EOF), an abort when it had not.
+            socks3 = []
+            for unread in (False, True):
+                ra, rb, *more = await handoff(h, rmb_size=16 << 10)
+                socks3 += more
+                fds = ra.fds
+                child = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, *map(str, fds.fds()), str(fds.rx_size),
+                     str(fds.tx_size)],
+                    pass_fds=fds.fds(), stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                fds.close()
+                cb = Channel.from_fds(rb.fds)
+                try:
+                    assert child.stdout is not None
+                    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), WAIT)
+                    assert line.strip() == "ready"
+                    first = bytearray()
+                    await asyncio.to_thread(recv_exactly, cb, 5, deadline, first.extend)
+                    assert bytes(first) == b"alive"
+                    if unread:
+                        assert cb.send_into(b"never read") == 10
+                        await asyncio.sleep(0.5)  # in the child's RMB before it dies
+                    child.send_signal(signal.SIGKILL)
+                    if unread:
+                        await wait_for(lambda c=cb: c.aborted, "B sees the death as an abort")
+                        with pytest.raises(ConnectionResetError):
+                            cb.recv_into(bytearray(10))
+                    else:
+                        await wait_for(lambda c=cb: c.peer_closed, "B sees the death as a close")
+                        assert cb.recv_into(bytearray(10)) == 0 and cb.eof and not cb.aborted
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.kill()
+                    child.wait()
+                cb.close()
             await wait_for(released(h), "every connection released")
             for s in [*socks, *socks2, *socks3]:
                 s.close()
