@@ -551,6 +551,40 @@ class Channel(ChannelBase):
             self._level_sync()
         return data
 
+    def peek_into(self, buffer: Any) -> tuple[int, bool]:
+        """``MSG_PEEK``: copy up to ``len(buffer)`` received bytes without consuming them (the
+        consumer cursor stays; the next read returns them again), as the kernel's
+        ``smc_rx_recvmsg`` does. Returns the count and whether the peer is done writing (the
+        bytes there are all that will come). An empty ring and errors as :meth:`recv_into`."""
+        if self._fence:
+            self._pass_fence()
+        hdr = self._rx_hdr
+        flags = hdr[W_CONS] >> CSFLAGS_SHIFT  # read flags *before* the producer cursor
+        done = bool(flags & (PEER_DONE_WRITING | PEER_CONN_CLOSED))
+        if flags & PEER_CONN_ABORT or self._dead:
+            self._stop_fast()
+            self._raise_reset()
+        prod = hdr[W_PROD]
+        L = self._rx_len
+        pos = self._rx_pos
+        avail = (
+            (((prod >> WRAP_SHIFT) - self._rx_wrap) & 0xFFFF) * L
+            + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
+            - pos
+        )
+        if avail <= 0 or avail > L:  # nothing (EOF, a dead peer, level mode) or a violation
+            return self._recv_into(memoryview(bytearray(0))), done
+        mv = buffer if type(buffer) is memoryview else memoryview(buffer)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n = min(len(mv), avail)
+        first = min(n, L - pos)
+        ring = self._rx_ring
+        mv[:first] = ring[pos : pos + first]
+        if n > first:
+            mv[first:n] = ring[: n - first]
+        return n, done
+
     def readable(self) -> bool:
         """True when :meth:`recv_into` would return data or EOF, or raise (no blocking)."""
         self._check_open()

@@ -21,7 +21,10 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
 - ``dup`` is refused; ``detach`` (what ``ssl`` does) first leaves the channel, which is only
   possible before any byte moved (:meth:`SmcSocket.leave_channel`: the connection then goes on
   over TCP, clean after CLC);
-- ``sendmsg``/``recvmsg``/``MSG_PEEK``/``MSG_OOB`` are not available (``EOPNOTSUPP``);
+- ``MSG_PEEK`` and ``MSG_WAITALL`` work as on the kernel's AF_SMC; ``sendmsg``/``recvmsg``
+  carry data but no ancillary data, and ``MSG_OOB`` is not available (``EOPNOTSUPP``);
+- ``socket(fileno=...)``/``socket.fromfd()`` cannot rebuild an SMC socket from its
+  ``fileno()`` (``ENOTSOCK``, saying so);
 - as with the kernel's AF_SMC, ``send`` after the peer closed raises
   :class:`ConnectionResetError` at once, where TCP accepts one more write before the RST;
 - a select loop may see a rare spurious readiness right after data was consumed (a late
@@ -88,7 +91,14 @@ _STREAM_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
 # Plain ints: the socket module's constants are IntFlag members, and enum arithmetic would
 # cost microseconds on every call of the data path.
 _MSG_DONTWAIT = int(_socket.MSG_DONTWAIT)
-_SUPPORTED_FLAGS = _MSG_DONTWAIT | int(getattr(_socket, "MSG_NOSIGNAL", 0))
+_MSG_PEEK = int(_socket.MSG_PEEK)
+_MSG_WAITALL = int(_socket.MSG_WAITALL)
+_SUPPORTED_FLAGS = (
+    _MSG_DONTWAIT | _MSG_PEEK | _MSG_WAITALL | int(getattr(_socket, "MSG_NOSIGNAL", 0))
+)
+#: How long a ``MSG_PEEK | MSG_WAITALL`` read naps while fewer bytes than asked are there (a
+#: wait for readability returns at once then: what is there is unread).
+_PEEK_NAP = 0.0005
 _SOCK_STREAM = int(_socket.SOCK_STREAM)
 # The C socket's plain-int attributes: ``socket.socket.family``/``.type`` convert to enum
 # members, which costs microseconds per handoff for a check.
@@ -98,6 +108,13 @@ _proto_of = _csocket.socket.proto.__get__
 _MODE_NAMES = {mode: mode.name.lower() for mode in messages.Mode}
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 _Smc = ChannelState
+
+
+def _is_eventfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    except OSError:
+        return False
 
 
 def _ebadf() -> OSError:
@@ -194,7 +211,17 @@ class SmcSocket(_BaseSocket):
         proto: int = -1,
         fileno: int | None = None,
     ) -> None:
-        super().__init__(family, type, proto, fileno)
+        try:
+            super().__init__(family, type, proto, fileno)
+        except OSError as e:
+            if fileno is None or e.errno != errno.ENOTSOCK or not _is_eventfd(fileno):
+                raise
+            raise OSError(
+                errno.ENOTSOCK,
+                f"descriptor {fileno} is an eventfd, not a socket: an SMC connection's fileno() "
+                "is its channel's eventfd (for select/selectors), so socket(fileno=...) and "
+                "socket.fromfd() cannot rebuild it; use the socket object itself",
+            ) from None
         self._smc = None
         self._fallback = None
         self._gone = False  # really closed (``_closed`` is set while makefile()s keep it open)
@@ -433,6 +460,8 @@ class SmcSocket(_BaseSocket):
             view = view[:nbytes]
         if not view.nbytes or smc.rd_shut:
             return 0
+        if flags & (_MSG_PEEK | _MSG_WAITALL):
+            return self._recv_special(smc, view, flags)
         ch = smc.channel
         n = ch.recv_into(view)  # raises ConnectionResetError after an abort
         if n:
@@ -448,6 +477,47 @@ class SmcSocket(_BaseSocket):
             n = ch.recv_into(view)
             if n:
                 return n
+
+    def _recv_special(self, smc: _Smc, view: memoryview, flags: int) -> int:
+        """``MSG_PEEK`` and ``MSG_WAITALL``, as the kernel's ``smc_rx_recvmsg`` has them: a
+        peek copies without consuming; ``MSG_WAITALL`` waits for the whole buffer, or EOF, or an
+        error (the bytes already read are returned first). As CPython on TCP, it waits only
+        on a blocking socket: with a timeout CPython reads a non-blocking descriptor once it is
+        readable, and Linux returns what is there."""
+        ch = smc.channel
+        fd = _BaseSocket.fileno(self)
+        deadline = self._deadline(flags)
+        want = view.nbytes
+        waitall = bool(flags & _MSG_WAITALL) and deadline is None
+        if flags & _MSG_PEEK:
+            while True:
+                n, done = ch.peek_into(view)
+                if n and (not waitall or n == want or done):
+                    return n
+                if not n and ch.eof:
+                    return 0
+                if deadline != 0.0:
+                    smc.check_daemon(fd)
+                if n:  # fewer than asked (MSG_WAITALL): what is there keeps it readable
+                    time.sleep(_PEEK_NAP)
+                elif not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
+                    self._remaining(deadline)  # raises timeout when it has expired
+        got = 0
+        while True:
+            try:
+                n = ch.recv_into(view[got:])
+            except OSError:
+                if got:  # the error stays: the next call raises it
+                    return got
+                raise
+            got += n
+            if got == want or (got and not waitall) or ch.eof:
+                return got
+            if not n:
+                if deadline != 0.0:
+                    smc.check_daemon(fd)
+                if not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
+                    self._remaining(deadline)
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if self._live() is None:
@@ -552,24 +622,51 @@ class SmcSocket(_BaseSocket):
             return super().sendfile(file, offset, count)
         return self._sendfile_use_send(file, offset, count)  # type: ignore[attr-defined, no-any-return]
 
-    def sendmsg(self, *args: Any, **kwargs: Any) -> int:
+    def sendmsg(self, buffers: Any, ancdata: Any = (), flags: int = 0, address: Any = None) -> int:
+        """On SMC: the buffers in order, as one :meth:`send` (a stream's scatter/gather);
+        ancillary data cannot travel over SMC (``EOPNOTSUPP``), and a connected stream takes
+        no address (``EISCONN``, as TCP)."""
         if self._live() is None:
-            return super().sendmsg(*args, **kwargs)
-        raise OSError(errno.EOPNOTSUPP, "sendmsg is not supported on an SMC connection")
+            if address is None:
+                return super().sendmsg(buffers, ancdata, flags)
+            return super().sendmsg(buffers, ancdata, flags, address)
+        if list(ancdata):
+            raise OSError(errno.EOPNOTSUPP, "ancillary data cannot travel over an SMC connection")
+        if address is not None:
+            raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
+        return self.send(b"".join(memoryview(b).cast("B") for b in buffers), flags)
 
-    def recvmsg(self, *args: Any, **kwargs: Any) -> Any:
+    def recvmsg(self, bufsize: int, ancbufsize: int = 0, flags: int = 0) -> Any:
+        """On SMC: ``(data, [], 0, None)`` with ``data`` as :meth:`recv` returns it (no
+        ancillary data ever arrives; a connected stream has no source address)."""
         if self._live() is None:
             if self._clc_guard:
-                self._tcp_read(args[2] if len(args) > 2 else kwargs.get("flags", 0))
-            return super().recvmsg(*args, **kwargs)
-        raise OSError(errno.EOPNOTSUPP, "recvmsg is not supported on an SMC connection")
+                self._tcp_read(flags)
+            return super().recvmsg(bufsize, ancbufsize, flags)
+        if ancbufsize < 0:
+            raise ValueError("negative buffer size in recvmsg()")
+        return self.recv(bufsize, flags), [], 0, None
 
-    def recvmsg_into(self, *args: Any, **kwargs: Any) -> Any:
+    def recvmsg_into(self, buffers: Any, ancbufsize: int = 0, flags: int = 0) -> Any:
+        """On SMC: ``(nbytes, [], 0, None)``, the bytes one :meth:`recv_into` returns spread
+        over ``buffers`` in order."""
         if self._live() is None:
             if self._clc_guard:
-                self._tcp_read(args[2] if len(args) > 2 else kwargs.get("flags", 0))
-            return super().recvmsg_into(*args, **kwargs)
-        raise OSError(errno.EOPNOTSUPP, "recvmsg_into is not supported on an SMC connection")
+                self._tcp_read(flags)
+            return super().recvmsg_into(buffers, ancbufsize, flags)
+        if ancbufsize < 0:
+            raise ValueError("negative buffer size in recvmsg_into()")
+        views = [memoryview(b).cast("B") for b in buffers]
+        if len(views) == 1:
+            return self.recv_into(views[0], 0, flags), [], 0, None
+        scratch = bytearray(sum(v.nbytes for v in views))
+        n = self.recv_into(scratch, 0, flags)
+        off = 0
+        for v in views:
+            k = min(v.nbytes, n - off)
+            v[:k] = scratch[off : off + k]
+            off += k
+        return n, [], 0, None
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -518,6 +518,63 @@ def test_a_process_that_ends_without_closing_closes_as_on_tcp(
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+SNIFFING_SERVER = r"""
+import socket, struct
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+kind = conn.recv(1, socket.MSG_PEEK)  # sniff the protocol without consuming, as TLS/plain
+(size,) = struct.unpack("!I", conn.recv(4, socket.MSG_WAITALL))  # a length prefix...
+body = conn.recv(size, socket.MSG_WAITALL)  # ...then exactly that many bytes
+conn.sendmsg([b"kind=", kind, b" size=%d " % len(body), body[:3]])
+try:
+    socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+except OSError as e:
+    print("fromfd:", e.errno, "eventfd" in str(e), flush=True)
+conn.close()
+"""
+
+SNIFFING_CLIENT = r"""
+import socket, struct, sys, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+body = b"B" * 300_000  # more than one ring's worth arrives in pieces
+sock.sendall(struct.pack("!I", len(body))[:2])
+time.sleep(0.05)  # the length prefix itself arrives in two pieces
+sock.sendall(struct.pack("!I", len(body))[2:] + body[:1000])
+time.sleep(0.05)
+sock.sendall(body[1000:])
+reply = b""
+while data := sock.recv(1000):
+    reply += data
+print(reply.decode(), flush=True)
+"""
+
+
+def test_recv_flags_and_sendmsg_work_as_on_tcp(nocfg: PrivateSmcd) -> None:
+    """A server that sniffs with MSG_PEEK, reads a length prefix and its body with MSG_WAITALL
+    and answers with sendmsg() (the kernel's AF_SMC supports all three; they used to raise
+    EOPNOTSUPP on smcd), over SMC-D; socket.fromfd() of an SMC connection's fileno() says
+    why it cannot work."""
+    server_argv = _smc_run(_env(nocfg), SNIFFING_SERVER)
+    env = _env(nocfg)
+    server = subprocess.Popen(server_argv, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, SNIFFING_CLIENT, port), capture_output=True,
+                                text=True, env=env, timeout=60)  # fmt: skip
+        sout, serr = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert client.stdout == "kind=\x00 size=300000 BBB\n", (client.stdout, client.stderr, serr)
+    assert sout == "fromfd: 88 True\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 # --- two hosts ------------------------------------------------------------------------------
 
 

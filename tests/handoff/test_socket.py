@@ -398,6 +398,93 @@ def test_non_blocking(pair: tuple[Any, Any]) -> None:
     assert b.recv(1) == b"!"
 
 
+def test_msg_peek(pair: tuple[Any, Any]) -> None:
+    """MSG_PEEK copies without consuming, as on TCP and the kernel's AF_SMC."""
+    a, b = pair
+    with pytest.raises(BlockingIOError):
+        b.recv(5, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # nothing there yet
+    a.sendall(b"hello world")
+    assert b.recv(5, socket.MSG_PEEK) == b"hello"
+    assert b.recv(5, socket.MSG_PEEK) == b"hello"  # still there
+    buf = bytearray(3)
+    assert b.recv_into(buf, 0, socket.MSG_PEEK) == 3 and buf == b"hel"
+    assert recv_exactly(b, 6) == b"hello "  # then consumed by a plain read
+    assert b.recv(100, socket.MSG_PEEK) == b"world"
+    assert recv_exactly(b, 5) == b"world"
+    a.shutdown(socket.SHUT_WR)
+    b.settimeout(2)
+    assert b.recv(10, socket.MSG_PEEK) == b""  # EOF, peeked
+
+
+def test_msg_peek_across_the_ring_end(pair: tuple[Any, Any]) -> None:
+    """A peek of bytes that wrap around the end of the ring returns them in order (SMC: the
+    ring is 64 KiB here; TCP: any stream)."""
+    a, b = pair
+    first = bytes(range(256)) * 200  # 51,200 bytes
+    a.sendall(first)
+    assert recv_exactly(b, len(first)) == first
+    second = os.urandom(30_000)  # runs past 64 KiB: the peek copies across the wrap
+    a.sendall(second)
+    b.settimeout(5)
+    deadline = time.monotonic() + 5
+    while len(peeked := b.recv(len(second), socket.MSG_PEEK)) < len(second):
+        assert time.monotonic() < deadline, len(peeked)
+        time.sleep(0.01)
+    assert peeked == second
+    assert recv_exactly(b, len(second)) == second
+
+
+def test_msg_waitall(pair: tuple[Any, Any]) -> None:
+    """MSG_WAITALL on a blocking socket waits for the whole buffer (or EOF)."""
+    a, b = pair
+
+    def trickle() -> None:
+        for piece in (b"ab", b"cde", b"fghij"):
+            time.sleep(0.05)
+            a.sendall(piece)
+        time.sleep(0.05)
+        a.sendall(b"klm")
+        a.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        assert b.recv(10, socket.MSG_WAITALL) == b"abcdefghij"
+        buf = bytearray(10)
+        assert b.recv_into(buf, 0, socket.MSG_WAITALL) == 3 and buf[:3] == b"klm"  # EOF
+    finally:
+        t.join()
+
+
+def test_msg_peek_waitall(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    a.sendall(b"12345")
+    timer = threading.Timer(0.1, a.sendall, (b"67890",))
+    timer.start()
+    try:
+        assert b.recv(10, socket.MSG_PEEK | socket.MSG_WAITALL) == b"1234567890"
+        assert recv_exactly(b, 10) == b"1234567890"
+    finally:
+        timer.join()
+
+
+def test_sendmsg_and_recvmsg(pair: tuple[Any, Any]) -> None:
+    """Scatter/gather without ancillary data, as a TCP stream carries it."""
+    a, b = pair
+    assert a.sendmsg([b"head:", memoryview(b"body"), bytearray(b"!")]) == 10
+    got = b""
+    while len(got) < 10:
+        data, anc, _flags, _addr = b.recvmsg(10 - len(got))
+        assert data and anc == []
+        got += data
+    assert got == b"head:body!"
+    b.sendall(b"0123456789")
+    assert a.recv(10, socket.MSG_PEEK | socket.MSG_WAITALL) == b"0123456789"  # all there
+    x, y = bytearray(4), bytearray(10)
+    k, anc, _flags, _addr = a.recvmsg_into([x, y])
+    assert (k, anc, bytes(x), bytes(y[:6])) == (10, [], b"0123", b"456789")
+
+
 def test_select_and_selectors(pair: tuple[Any, Any]) -> None:
     import select
 
@@ -497,8 +584,19 @@ def test_smc_mode_and_notices(daemon: MiniDaemon) -> None:
     with pytest.raises(OSError) as info:
         a.dup()
     assert info.value.errno == errno.EOPNOTSUPP
-    with pytest.raises(OSError):
-        a.recv(1, socket.MSG_PEEK)
+    with pytest.raises(OSError) as info:
+        a.recv(1, socket.MSG_OOB)
+    assert info.value.errno == errno.EOPNOTSUPP
+    with pytest.raises(OSError) as info:
+        a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", 0))])
+    assert info.value.errno == errno.EOPNOTSUPP
+    fd = os.dup(a.fileno())  # what socket.fromfd() does, then builds the class (smc-run's)
+    try:
+        with pytest.raises(OSError) as info:
+            SmcSocket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+    finally:
+        os.close(fd)
+    assert info.value.errno == errno.ENOTSOCK and "eventfd" in str(info.value)
     a.sendall(b"x" * 100)
     assert recv_exactly(b, 100) == b"x" * 100
     a.shutdown(socket.SHUT_WR)
