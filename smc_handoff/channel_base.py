@@ -387,6 +387,18 @@ class ChannelBase:
         if not (self._level or self._dead):
             self._rx_fast = True
 
+    def claim(self) -> None:
+        """Claim the end now, as the first data call after a fork would (``OSError(EBUSY)``
+        when another process has); nothing to do when this process may use it already."""
+        if self._fence:
+            self._pass_fence()
+
+    def descriptors(self) -> tuple[int, ...]:
+        """The descriptors this end holds (its eventfds and the peer link): what a process
+        that goes on with the end alone must keep open."""
+        self._check_open()
+        return self._rx_efd, self._tx_efd, self._link_fd
+
     # --------------------------------------------------------------------------- closing
 
     def close(self) -> None:

@@ -285,6 +285,12 @@ def _patch_asyncio(asyncio: Any) -> None:
     aio_loop.install()
 
 
+def _patch_subprocess(subprocess: Any) -> None:
+    from smc_handoff import child_relay
+
+    child_relay.install(subprocess)
+
+
 def _patch_uvloop(uvloop: Any) -> None:
     from smc_handoff import aio_loop
 
@@ -344,6 +350,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
         root.setLevel(logging.DEBUG)
     _patch_on_import("ssl", _patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
+    _patch_on_import("subprocess", _patch_subprocess)
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -573,6 +574,92 @@ def test_recv_flags_and_sendmsg_work_as_on_tcp(nocfg: PrivateSmcd) -> None:
     assert sout == "fromfd: 88 True\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
     assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
+INETD_SERVER = r"""
+import socket, subprocess, sys  # inetd-style-server-marker
+CHILD = ("import hashlib, sys; d = sys.stdin.buffer.read(); "
+         "print(len(d), hashlib.sha256(d).hexdigest())")
+ECHO = "import os\nwhile d := os.read(0, 65536):\n    os.write(1, d)"
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+children = []
+for i in range(3):  # as inetd: the connection is the child's stdin and stdout, closed here at once
+    conn, _ = lsock.accept()
+    children.append(subprocess.Popen([sys.executable, "-c", CHILD], stdin=conn, stdout=conn))
+    conn.close()
+conn, _ = lsock.accept()  # the descriptor form, and a parent that waits
+subprocess.run([sys.executable, "-c", ECHO], stdin=conn.fileno(), stdout=conn.fileno(), check=True)
+conn.close()
+print("RC", [c.wait() for c in children], flush=True)
+"""
+
+INETD_CLIENT = r"""
+import hashlib, os, socket, sys, threading
+port = int(sys.argv[1])
+for i in range(3):
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = os.urandom(300_000 + i)
+    sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    assert reply.decode().split() == [str(len(data)), hashlib.sha256(data).hexdigest()], reply
+    sock.close()
+sock = socket.create_connection(("127.0.0.1", port))
+data = os.urandom(3_000_000)  # streamed both ways at once: more than every buffer on the way
+def send():
+    sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+threading.Thread(target=send).start()
+back = bytearray()
+while chunk := sock.recv(1 << 20):
+    back += chunk
+assert back == data, (len(back), len(data))
+print("INETD OK", flush=True)
+"""
+
+
+def test_an_inetd_style_server_gives_the_connection_to_its_child(nocfg: PrivateSmcd) -> None:
+    """``subprocess.Popen(cmd, stdin=conn, stdout=conn)`` on an SMC connection, the parent
+    closing its copy at once, and ``stdin=conn.fileno()``: the child reads and writes the
+    connection (through a relay process that smc-run forks; the connection's fileno() is an
+    eventfd, from which the child used to read nothing while its output vanished). The relays
+    end with their connections."""
+    env = _env(nocfg)
+    server = subprocess.Popen(_smc_run(env, INETD_SERVER), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, INETD_CLIENT, port), capture_output=True,
+                                text=True, env=env, timeout=90)  # fmt: skip
+        sout, serr = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert client.returncode == 0 and client.stdout == "INETD OK\n", (client.stderr, serr)
+    assert sout == "RC [0, 0, 0]\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 4, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 4, serr
+    deadline = time.monotonic() + 5
+    while relays := _processes_with("inetd-style-server-marker"):
+        assert time.monotonic() < deadline, f"relay processes left: {relays}"
+        time.sleep(0.05)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
 
 
 # --- two hosts ------------------------------------------------------------------------------

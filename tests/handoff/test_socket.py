@@ -963,3 +963,32 @@ def test_wrap_refuses_non_tcp() -> None:
     with socket.socket() as unconnected, pytest.raises(OSError) as info:
         smc_handoff.wrap(unconnected)
     assert info.value.errno == errno.ENOTCONN
+
+
+def test_a_relay_gives_a_child_process_the_connection(daemon: MiniDaemon) -> None:
+    """smc_handoff.child_relay (what smc-run's subprocess patch uses): the child reads and
+    writes the connection through a socketpair; the relay owns the connection, so the parent's
+    copy raises EBUSY if used and closes quietly; the peer sees the child's close as EOF."""
+    from smc_handoff import child_relay
+
+    a, b = wrapped_pair()
+    assert child_relay.connection_of(b) is b
+    assert child_relay.connection_of(b.fileno()) is b  # the descriptor form finds the socket
+    assert child_relay.connection_of(0) is None and child_relay.connection_of("x") is None
+    upper = "import os\nwhile d := os.read(0, 4096): os.write(1, d.upper())"
+    fd = child_relay.relay_fd(b)
+    try:
+        child = subprocess.Popen([sys.executable, "-c", upper], stdin=fd, stdout=fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:
+        b.sendall(b"the parent's copy")
+    assert info.value.errno == errno.EBUSY
+    b.close()  # quiet: the relay goes on
+    a.sendall(b"through the relay\n")
+    assert recv_exactly(a, 18) == b"THROUGH THE RELAY\n"
+    a.shutdown(socket.SHUT_WR)  # the child's stdin ends: it exits, its end closes
+    assert child.wait(10) == 0
+    a.settimeout(5)
+    assert a.recv(10) == b""  # EOF: the relay closed the connection in order
+    a.close()

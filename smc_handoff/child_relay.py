@@ -1,0 +1,215 @@
+"""An SMC connection given to a child process as its stdin, stdout or stderr.
+
+inetd- and CGI-style servers run a program per connection with the connection as its standard
+streams (``subprocess.Popen(cmd, stdin=conn, stdout=conn)``). An SMC connection's ``fileno()``
+is its channel's eventfd, which a child cannot read or write as a stream: it read nothing and its
+output vanished. Under smc-run the child gets one end of an ``AF_UNIX`` stream socketpair
+instead, and a relay process moves the bytes between the other end and the channel, half-closes
+included:
+
+- the relay is forked from the caller (the channel's mappings and positions live in the
+  process, so only a fork can carry them on) and forks once more, so that it is nobody's child:
+  the program never reaps it or sees its exit status;
+- it owns the connection from then on (the channel's fork ownership, claimed before the caller
+  goes on): the caller's copy only lets go when the caller closes it, as an inetd-style parent
+  closes its copy right after starting the child, and raises ``EBUSY`` if it uses it;
+- it keeps only that connection's descriptors (the channel's, the daemon's control connection,
+  the TCP socket) and the socketpair end, runs none of the program's code (its signal handlers
+  are reset, it ends with ``os._exit``), and ends once the child has closed its end and the peer
+  its direction: a child that exits closes the connection as the kernel would close a socket
+  it held (EOF for the peer, or a reset when the child left received data unread).
+
+Not covered: an SMC connection's descriptor passed in ``pass_fds``, over ``SCM_RIGHTS`` or
+``dup2()``-ed by hand before an ``exec`` (it is still the eventfd).
+"""
+
+from __future__ import annotations
+
+import _socket
+import contextlib
+import errno
+import gc
+import os
+import select
+import signal
+import socket
+import threading
+from typing import Any
+
+from smc_handoff.channel import Channel
+from smc_handoff.socket import SmcSocket
+
+__all__ = ["connection_of", "install", "relay_fd"]
+
+#: How often a relay thread waiting for the peer's data looks whether the child is gone.
+_GONE_POLL_S = 0.05
+_CHUNK = 1 << 16
+
+
+def connection_of(obj: Any) -> SmcSocket | None:
+    """The SMC connection ``obj`` stands for, as ``Popen`` takes a stream: an
+    :class:`SmcSocket` on SMC, or the descriptor number its ``fileno()`` returned; else None."""
+    if isinstance(obj, SmcSocket):
+        return obj if obj.channel is not None else None
+    if not isinstance(obj, int) or isinstance(obj, bool) or obj < 0:
+        return None
+    try:
+        if os.readlink(f"/proc/self/fd/{obj}") != "anon_inode:[eventfd]":
+            return None
+    except OSError:
+        return None
+    # Rare (an eventfd given as a child's stream): look through the live sockets rather than
+    # keep an index on every handoff's path.
+    for o in gc.get_objects():
+        if isinstance(o, SmcSocket) and not o._gone:
+            smc = o._smc
+            if smc is not None and not smc.channel.closed and smc.channel.event_fd() == obj:
+                return o
+    return None
+
+
+def relay_fd(sock: SmcSocket) -> int:
+    """A descriptor a child process can use as ``sock``'s connection: the child's end of a
+    socketpair that a relay process serves (see the module docstring). The caller closes it
+    once the child has it."""
+    smc = sock._smc
+    if smc is None:
+        raise OSError(errno.EINVAL, "not an SMC connection")
+    ch = smc.channel
+    keep = {*ch.descriptors(), _socket.socket.fileno(sock)}  # the TCP socket: not our fileno()
+    if smc.control is not None:
+        keep.add(smc.control.fileno())
+    # C sockets: under smc-run the socket module's class is smc-run's own.
+    ours, theirs = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the intermediate process: start the relay and go
+        code = 1
+        try:
+            os.close(ready_r)
+            theirs.close()
+            if os.fork() == 0:
+                _relay(ch, ours, keep | {ours.fileno(), ready_w}, ready_w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    ours.close()
+    try:
+        os.waitpid(pid, 0)
+        with os.fdopen(ready_r, "rb", buffering=0) as ready:
+            said = ready.read(1)
+        if said != b"1":
+            raise OSError(errno.EIO, "smc-run: the relay process for this connection failed")
+    except BaseException:
+        theirs.close()
+        raise
+    return theirs.detach()
+
+
+def _relay(ch: Channel, child: _socket.socket, keep: set[int], ready_w: int) -> None:
+    """The relay process: never returns."""
+    code = 1
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(OSError):
+            os.setsid()  # not in the program's process group: its terminal's ^C is not ours
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            if fd not in keep:
+                os.dup2(devnull, fd)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd > 2 and fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        ch.claim()
+        os.write(ready_w, b"1")
+        os.close(ready_w)
+        _pump(ch, child)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _pump(ch: Channel, child: _socket.socket) -> None:
+    """Both directions until the child's end is closed and the peer's direction is done, then
+    close the connection (``Channel.close``: closed, or an abort when data is unread)."""
+    gone = threading.Event()  # the child closed its end entirely (both directions)
+
+    def to_child() -> None:
+        buf = memoryview(bytearray(_CHUNK))
+        try:
+            while not gone.is_set():
+                n = ch.recv_into(buf)
+                if n:
+                    child.sendall(buf[:n])
+                elif ch.eof:
+                    child.shutdown(socket.SHUT_WR)
+                    return
+                else:
+                    ch.wait_readable(_GONE_POLL_S)
+        except OSError:  # a reset from the peer, or the child's end is gone
+            with contextlib.suppress(OSError):
+                child.shutdown(socket.SHUT_RDWR)
+
+    reader = threading.Thread(target=to_child, name="smc-relay-to-child", daemon=True)
+    reader.start()
+    buf = memoryview(bytearray(_CHUNK))
+    try:
+        while n := child.recv_into(buf):
+            view = buf[:n]
+            while view:
+                k = ch.send_into(view)
+                view = view[k:]
+                if not k:
+                    ch.wait_writable(None)
+        ch.shutdown_write()  # the child's EOF: a shutdown(SHUT_WR), or its close
+        poller = select.poll()
+        poller.register(child.fileno(), 0)  # POLLHUP: both directions of its end are closed
+        while reader.is_alive() and not poller.poll(int(_GONE_POLL_S * 1000)):
+            pass
+    except OSError:  # the peer reset, or the child's end failed: abort below if unread
+        pass
+    gone.set()
+    reader.join()
+    ch.close()
+
+
+def install(subprocess: Any) -> None:
+    """Make ``subprocess.Popen`` give a child a relay's socket where it is given an SMC
+    connection (an object or its ``fileno()``) as stdin, stdout or stderr."""
+    popen = subprocess.Popen
+    get_handles = getattr(popen, "_get_handles", None)
+    if get_handles is None or getattr(get_handles, "_smc_relay", False):
+        return
+    init = popen.__init__
+
+    def smc_get_handles(self: Any, stdin: Any, stdout: Any, stderr: Any) -> Any:
+        relays: dict[int, int] = {}
+
+        def swap(stream: Any) -> Any:
+            sock = connection_of(stream)
+            if sock is None:
+                return stream
+            fd = relays.get(id(sock))
+            if fd is None:
+                fd = relays[id(sock)] = relay_fd(sock)
+                self._smc_relay_fds.append(fd)
+            return fd
+
+        return get_handles(self, swap(stdin), swap(stdout), swap(stderr))
+
+    def smc_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._smc_relay_fds = []
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            for fd in self._smc_relay_fds:  # the child has its copy (or never started)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    smc_get_handles._smc_relay = True  # type: ignore[attr-defined]
+    popen._get_handles = smc_get_handles
+    popen.__init__ = smc_init
