@@ -61,8 +61,8 @@ def connection_of(obj: Any) -> SmcSocket | None:
     # Rare (an eventfd given as a child's stream): look through the live sockets rather than
     # keep an index on every handoff's path.
     for o in gc.get_objects():
-        if isinstance(o, SmcSocket) and not o._gone:
-            smc = o._smc
+        if isinstance(o, SmcSocket):
+            smc = getattr(o, "_smc", None)  # (None in one whose construction failed)
             if smc is not None and not smc.channel.closed and smc.channel.event_fd() == obj:
                 return o
     return None

@@ -619,6 +619,7 @@ class ChannelState:
     next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
     deadline: float | None = None  # of the sendall() in progress (None: per call)
     resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
+    holders: int = 1  # socket objects sharing this connection (dup()): the last close closes it
 
     RECHECK_S = 1.0
 

@@ -18,9 +18,10 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
 - ``fileno()`` is not the TCP descriptor, and ``select`` for *writability* is always true (an
   eventfd): a non-blocking ``send`` may still raise :class:`BlockingIOError` when the peer's
   ring is full;
-- ``dup`` is refused; ``detach`` (what ``ssl`` does) first leaves the channel, which is only
-  possible before any byte moved (:meth:`SmcSocket.leave_channel`: the connection then goes on
-  over TCP, clean after CLC);
+- ``dup`` gives another socket object for the connection, which ends with the last close;
+  ``detach`` (what ``ssl`` does) first leaves the channel, which is only possible before any
+  byte moved and while no ``dup`` holds it (:meth:`SmcSocket.leave_channel`: the connection
+  then goes on over TCP, clean after CLC);
 - ``MSG_PEEK`` and ``MSG_WAITALL`` work as on the kernel's AF_SMC; ``sendmsg``/``recvmsg``
   carry data but no ancillary data, and ``MSG_OOB`` is not available (``EOPNOTSUPP``);
 - ``socket(fileno=...)``/``socket.fromfd()`` cannot rebuild an SMC socket from its
@@ -690,7 +691,9 @@ class SmcSocket(_BaseSocket):
                 self._settle()
         smc, self._smc = self._smc, None
         self._gone = True
-        if smc is not None:
+        if smc is not None and smc.holders > 1:  # a dup() holds the connection on
+            smc.holders -= 1
+        elif smc is not None:
             try:  # aborts instead when received data is unread (the peer sees a reset)
                 smc.channel.close()
             finally:
@@ -739,6 +742,8 @@ class SmcSocket(_BaseSocket):
             raise OSError(
                 errno.EOPNOTSUPP, "an SMC socket that carried data cannot leave its channel"
             )
+        if smc.holders > 1:
+            raise OSError(errno.EOPNOTSUPP, "a dup()ed SMC socket cannot leave its channel")
         self._smc = None
         ch.close()
         smc.notify(messages.Close(False, 0, 0))
@@ -756,9 +761,22 @@ class SmcSocket(_BaseSocket):
         return super().detach()
 
     def dup(self) -> Self:
-        if self._live() is not None:
-            raise OSError(errno.EOPNOTSUPP, "an SMC socket cannot be duplicated")
-        return super().dup()
+        """On SMC: another socket object for the same connection (its own copy of the TCP
+        descriptor), as ``dup(2)`` gives another descriptor for one socket: the connection
+        ends with the last of them to close."""
+        smc = self._live()
+        if smc is None:
+            return super().dup()
+        fd = os.dup(_BaseSocket.fileno(self))
+        try:
+            twin = self.__class__(_family_of(self), _type_of(self), _proto_of(self), fileno=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        twin._smc = smc
+        smc.holders += 1
+        twin.settimeout(self.gettimeout())
+        return twin
 
     def accept(self) -> tuple[_socket.socket, Any]:
         """Plain accept, returning an :class:`SmcSocket` in TCP mode (see :class:`SmcServer`)."""

@@ -582,9 +582,6 @@ def test_smc_mode_and_notices(daemon: MiniDaemon) -> None:
     assert [type(r) for r in daemon.requests] in ([m.Connect, m.Accept], [m.Accept, m.Connect])
     assert all(r.dmb_size == 16384 for r in daemon.requests)  # type: ignore[union-attr]
     with pytest.raises(OSError) as info:
-        a.dup()
-    assert info.value.errno == errno.EOPNOTSUPP
-    with pytest.raises(OSError) as info:
         a.recv(1, socket.MSG_OOB)
     assert info.value.errno == errno.EOPNOTSUPP
     with pytest.raises(OSError) as info:
@@ -992,3 +989,30 @@ def test_a_relay_gives_a_child_process_the_connection(daemon: MiniDaemon) -> Non
     a.settimeout(5)
     assert a.recv(10) == b""  # EOF: the relay closed the connection in order
     a.close()
+
+
+def test_dup_holds_the_connection_until_the_last_close(daemon: MiniDaemon) -> None:
+    """socket.dup() of an SMC socket: another object for the same connection, as dup(2) gives
+    another descriptor for one socket; closing one leaves the connection to the other."""
+    a, b = wrapped_pair()
+    d = a.dup()
+    assert (d.mode, d.conn_id, d.gettimeout()) == ("smcd", a.conn_id, a.gettimeout())
+    assert d.fileno() == a.fileno()  # the channel's eventfd: one connection
+    d.sendall(b"via the dup ")
+    a.sendall(b"and the original")
+    assert recv_exactly(b, 28) == b"via the dup and the original"
+    with pytest.raises(OSError) as info:
+        d.leave_channel()
+    assert info.value.errno == errno.EOPNOTSUPP
+    a.close()  # d still holds it: no close reaches the peer
+    b.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        b.recv(1)
+    b.sendall(b"still open")
+    assert recv_exactly(d, 10) == b"still open"
+    assert daemon.hangups == 0
+    d.close()  # the last one: the peer reads EOF, the daemon sees the hang-up
+    b.settimeout(5)
+    assert b.recv(1) == b""
+    daemon.wait_hangups(1)
+    b.close()
