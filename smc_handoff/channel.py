@@ -86,7 +86,7 @@ from smc_handoff.layout import (
     create_dmb,
     zero_dmb,
 )
-from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, link_watcher, spin
+from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, spin
 
 __all__ = [
     "DMB_SIZES",
@@ -741,13 +741,15 @@ class Channel(ChannelBase):
         also a peer's death, which a small per-process thread turns into a kick. Calling this
         switches the channel to *level mode*: it then keeps itself armed whenever nothing is
         pending, so the peer kicks on every empty→non-empty transition. The fd always polls
-        writable (an eventfd); check :meth:`writable` after a short send."""
+        writable (an eventfd); check :meth:`writable` after a short send. A copy after a fork
+        that this process has not claimed keeps no readiness (its view of the ring is stale and
+        another process may own it); claiming it turns level mode on."""
         self._check_open()
         if not self._level:
-            self._level = True
-            self._rx_fast = False  # level mode keeps the eventfd in step: long way
-            link_watcher().add(self._link_fd, self._rx_efd)
-            self._level_sync()
+            if self._fence:
+                self._level_wanted = True
+            else:
+                self._enter_level()
         return self._rx_efd
 
     def stats(self) -> dict[str, Any]:

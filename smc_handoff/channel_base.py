@@ -49,6 +49,7 @@ from smc_handoff.wakeup import (
     WANT_LINK,
     WANT_SPACE,
     Waiter,
+    forget_link,
     learn,
     link_watcher,
     spin,
@@ -302,6 +303,7 @@ class ChannelBase:
         self._kicked_d = 0  # written by the sending thread only
         self._kicked_s = 0  # written by the receiving thread only
         self._level = False
+        self._level_wanted = False  # fileno() of a fenced copy: level mode once claimed
         self._sleep_lock = threading.Lock()
         self._link_sleeper = False
         self._efd_sleeper = False
@@ -384,14 +386,38 @@ class ChannelBase:
         self._rx_ctrl[C_OWNER] = self._epoch << 32 | os.getpid()
         self._owner = True
         self._fence = False
+        if self._level_wanted and not self._level:
+            self._enter_level()
         if not (self._level or self._dead):
             self._rx_fast = True
+
+    def _enter_level(self) -> None:
+        """Level mode (see ``Channel.fileno``)."""
+        self._level = True
+        self._level_wanted = False
+        self._rx_fast = False  # level mode keeps the eventfd in step: long way
+        link_watcher().add(self._link_fd, self._rx_efd)
+        self._level_sync()
 
     def claim(self) -> None:
         """Claim the end now, as the first data call after a fork would (``OSError(EBUSY)``
         when another process has); nothing to do when this process may use it already."""
         if self._fence:
             self._pass_fence()
+
+    def leave_level_mode(self) -> None:
+        """Stop keeping the eventfd readable while something is pending (what ``fileno()``
+        started), disarmed and drained: for a process that only makes blocking calls on an
+        end whose eventfd another process's copy may still poll (a relay after a fork, whose
+        parent's select must not see the relay's readiness)."""
+        if not self._level or self._closed:
+            return
+        self._level = False
+        forget_link(self._link_fd)
+        self._disarm(self._wd)
+        self._drain(False)
+        if not (self._dead or self._fence):
+            self._rx_fast = True
 
     def descriptors(self) -> tuple[int, ...]:
         """The descriptors this end holds (its eventfds and the peer link): what a process

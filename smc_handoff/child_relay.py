@@ -19,8 +19,10 @@ included:
   its direction: a child that exits closes the connection as the kernel would close a socket
   it held (EOF for the peer, or a reset when the child left received data unread).
 
-Not covered: an SMC connection's descriptor passed in ``pass_fds``, over ``SCM_RIGHTS`` or
-``dup2()``-ed by hand before an ``exec`` (it is still the eventfd).
+``subprocess`` is one way to give a child the connection; a forked process that ``os.dup2()``s
+it onto its standard streams and ``exec``s (``http.server``'s CGI handler) is the other, and
+``os.dup2`` of an SMC connection's ``fileno()`` puts a relay's socket there the same way. Not
+covered: the descriptor passed in ``pass_fds`` or over ``SCM_RIGHTS`` (it is still the eventfd).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 from smc_handoff.channel import Channel
 from smc_handoff.socket import SmcSocket
 
-__all__ = ["connection_of", "install", "relay_fd"]
+__all__ = ["connection_of", "install", "install_dup2", "relay_fd"]
 
 #: How often a relay thread waiting for the peer's data looks whether the child is gone.
 _GONE_POLL_S = 0.05
@@ -125,6 +127,7 @@ def _relay(ch: Channel, child: _socket.socket, keep: set[int], ready_w: int) -> 
                 with contextlib.suppress(OSError):
                     os.close(fd)
         ch.claim()
+        ch.leave_level_mode()  # blocking calls only: the caller's copy may select on the fd
         os.write(ready_w, b"1")
         os.close(ready_w)
         _pump(ch, child)
@@ -213,3 +216,30 @@ def install(subprocess: Any) -> None:
     smc_get_handles._smc_relay = True  # type: ignore[attr-defined]
     popen._get_handles = smc_get_handles
     popen.__init__ = smc_init
+
+
+_dup2_relays: dict[int, tuple[int, int]] = {}
+"""``id(socket)`` → (pid, relay descriptor) of the relays ``os.dup2`` started in this process."""
+
+
+def install_dup2(os_module: Any) -> None:
+    """Make ``os.dup2(fd, fd2)`` put a relay's socket on ``fd2`` when ``fd`` is an SMC
+    connection's ``fileno()`` (the fork-and-exec way to give a child the connection); one relay
+    per connection and process however many streams it becomes."""
+    dup2 = os_module.dup2
+    if getattr(dup2, "_smc_relay", False):
+        return
+
+    def smc_dup2(fd: int, fd2: int, inheritable: bool = True) -> int:
+        sock = connection_of(fd) if fd != fd2 else None
+        if sock is not None:
+            pid = os.getpid()
+            known = _dup2_relays.get(id(sock))
+            if known is None or known[0] != pid:
+                known = _dup2_relays[id(sock)] = (pid, relay_fd(sock))
+            fd = known[1]
+        result: int = dup2(fd, fd2, inheritable)
+        return result
+
+    smc_dup2._smc_relay = True  # type: ignore[attr-defined]
+    os_module.dup2 = smc_dup2

@@ -351,6 +351,9 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("ssl", _patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
     _patch_on_import("subprocess", _patch_subprocess)
+    from smc_handoff import child_relay
+
+    child_relay.install_dup2(os)
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

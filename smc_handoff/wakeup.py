@@ -262,3 +262,12 @@ def link_watcher() -> LinkWatcher:
         if _watcher_instance is None or _watcher_instance.pid != os.getpid():
             _watcher_instance = LinkWatcher()
         return _watcher_instance
+
+
+def forget_link(link_fd: int) -> None:
+    """Stop watching ``link_fd`` in this process's watcher, if this process has one (none is
+    started for it, unlike :func:`link_watcher`)."""
+    with _watcher_lock:
+        watcher = _watcher_instance
+    if watcher is not None and watcher.pid == os.getpid():
+        watcher.remove(link_fd)

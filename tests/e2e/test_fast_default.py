@@ -425,9 +425,11 @@ assert sock.recv(100) == b"before the fork"
 pid = os.fork()
 if pid == 0:  # the child goes on with the connection, as a daemon's child does
     sock.sendall(b"from the child")
-    ok = sock.recv(100) == b"from the child"
+    got = sock.recv(100)
+    if got != b"from the child":
+        print("CHILD GOT", got, file=sys.stderr, flush=True)
     sock.close()
-    os._exit(0 if ok else 1)
+    os._exit(0 if got == b"from the child" else 1)
 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 try:  # the parent's copy is stale: the child moved the stream on
     sock.sendall(b"from the parent")
@@ -648,6 +650,58 @@ def test_an_inetd_style_server_gives_the_connection_to_its_child(nocfg: PrivateS
     while relays := _processes_with("inetd-style-server-marker"):
         assert time.monotonic() < deadline, f"relay processes left: {relays}"
         time.sleep(0.05)
+
+
+CGI_SCRIPT = """#!/usr/bin/python3
+import os, sys
+body = sys.stdin.buffer.read(int(os.environ.get("CONTENT_LENGTH") or 0))
+sys.stdout.write("Content-Type: text/plain\\r\\n\\r\\n")
+sys.stdout.write("%d %s\\n" % (len(body), body[:12].decode()))
+"""
+
+CGI_CLIENT = r"""
+import sys, urllib.request
+for i in range(3):
+    body = b"posted body %d " % i * 5000
+    r = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/cgi-bin/echo.py", data=body)
+    print(r.status, r.read().decode().strip(), flush=True)
+"""
+
+
+def test_the_cgi_server_of_http_server_runs_its_scripts_over_smcd(nocfg: PrivateSmcd) -> None:
+    """``python -m http.server --cgi``: for each request the handler forks, ``os.dup2``s the
+    connection's ``fileno()`` onto the script's stdin and stdout and ``exec``s it; the parent
+    then drains the request's leftovers with ``select`` and reads. Under smc-run the script gets
+    a relay's socket, and the parent's copy, which the relay owns, polls not readable (as the
+    TCP socket's would); no request fails."""
+    root = Path(tempfile.mkdtemp(prefix="smcd-cgi-", dir="/tmp"))
+    try:
+        (root / "cgi-bin").mkdir()
+        script = root / "cgi-bin" / "echo.py"
+        script.write_text(CGI_SCRIPT)
+        for path, mode in ((root, 0o755), (root / "cgi-bin", 0o755), (script, 0o755)):
+            path.chmod(mode)  # the handler runs scripts as nobody
+        env = _env(nocfg)
+        argv = [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-m", "http.server", "--cgi",
+                "--bind", "127.0.0.1", "--directory", os.fspath(root), "0"]  # fmt: skip
+        server = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            assert server.stdout is not None
+            port = re.search(r"port (\d+)", server.stdout.readline())
+            assert port, "http.server did not say its port"
+            client = subprocess.run(_smc_run(env, CGI_CLIENT, port[1]), capture_output=True,
+                                    text=True, env=env, timeout=60)  # fmt: skip
+        finally:
+            server.terminate()
+            _, serr = server.communicate(timeout=30)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    expected = ["200 70000 posted body"] * 3  # 5000 x "posted body N ", its first 12 bytes
+    assert client.stdout.splitlines() == expected, (client.stdout, client.stderr, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
+    assert [m for m in _modes(serr) if m[0] == "accept"] == [("accept", "smcd", None)] * 3, serr
+    assert "Traceback" not in serr and "Exception" not in serr, serr
 
 
 def _processes_with(marker: str) -> list[int]:
