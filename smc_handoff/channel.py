@@ -742,11 +742,14 @@ class Channel(ChannelBase):
         switches the channel to *level mode*: it then keeps itself armed whenever nothing is
         pending, so the peer kicks on every empty→non-empty transition. The fd always polls
         writable (an eventfd); check :meth:`writable` after a short send. A copy after a fork
-        that this process has not claimed keeps no readiness (its view of the ring is stale and
-        another process may own it); claiming it turns level mode on."""
+        that another process has claimed keeps no readiness (its view of the ring is stale: a
+        CGI server's parent polls its copy while the script's relay owns the connection);
+        should this process claim it later, level mode starts then. Unclaimed since the fork,
+        the copy's view is current and it keeps readiness as any end (a forking server's child
+        may poll before its first read)."""
         self._check_open()
         if not self._level:
-            if self._fence:
+            if self._fence and self._claimed_elsewhere():
                 self._level_wanted = True
             else:
                 self._enter_level()

@@ -391,6 +391,10 @@ class ChannelBase:
         if not (self._level or self._dead):
             self._rx_fast = True
 
+    def _claimed_elsewhere(self) -> bool:
+        """Has a process claimed this end since the fork that made our copy (or a later one)?"""
+        return bool(self._rx_ctrl[C_OWNER] != self._epoch << 32 | _FORKED)
+
     def _enter_level(self) -> None:
         """Level mode (see ``Channel.fileno``)."""
         self._level = True

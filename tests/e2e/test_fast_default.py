@@ -351,12 +351,17 @@ def test_one_thread_connects_then_accepts_on_smcd(nocfg: PrivateSmcd, debug: boo
 
 
 FORKING_SERVER = r"""
-import socketserver, time
+import select, socketserver, time
 
 class Echo(socketserver.BaseRequestHandler):
     def handle(self):
         time.sleep(0.05)  # the parent has closed its copy of the connection by now
-        while data := self.request.recv(1 << 16):
+        while True:  # a select() before each read: the first before anything claimed the copy
+            if not select.select([self.request], [], [], 10)[0]:
+                raise TimeoutError("select never saw the request")
+            data = self.request.recv(1 << 16)
+            if not data:
+                break
             self.request.sendall(data)
 
 with socketserver.ForkingTCPServer(("127.0.0.1", 0), Echo) as server:
@@ -408,7 +413,8 @@ def _serve_then_run(
 def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
     """socketserver.ForkingTCPServer: the parent closes its copy of each accepted connection
     right after fork() while the child serves it. The parent's close only lets go of its copy
-    (it used to close the channel, and the child's connection was reset)."""
+    (it used to close the channel, and the child's connection was reset). The child polls its
+    copy before its first read: unclaimed since the fork, the copy keeps readiness."""
     server = _smc_run(_env(nocfg), FORKING_SERVER)
     client, _, serr = _serve_then_run(nocfg, server, ECHO_CLIENT, forever=True)
     assert client.returncode == 0 and client.stdout == "ECHO OK\n", (client.stderr, serr)
