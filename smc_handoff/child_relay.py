@@ -30,12 +30,14 @@ from __future__ import annotations
 import _socket
 import contextlib
 import errno
+import functools
 import gc
 import os
 import select
 import signal
 import socket
 import threading
+import weakref
 from typing import Any
 
 from smc_handoff.channel import Channel
@@ -98,7 +100,8 @@ def relay_fd(sock: SmcSocket) -> int:
     os.close(ready_w)
     ours.close()
     try:
-        os.waitpid(pid, 0)
+        with contextlib.suppress(ChildProcessError):  # a SIGCHLD handler may have reaped it
+            os.waitpid(pid, 0)
         with os.fdopen(ready_r, "rb", buffering=0) as ready:
             said = ready.read(1)
         if said != b"1":
@@ -199,17 +202,18 @@ def install(subprocess: Any) -> None:
             fd = relays.get(id(sock))
             if fd is None:
                 fd = relays[id(sock)] = relay_fd(sock)
-                self._smc_relay_fds.append(fd)
+                self.__dict__.setdefault("_smc_relay_fds", []).append(fd)
             return fd
 
         return get_handles(self, swap(stdin), swap(stdout), swap(stderr))
 
+    @functools.wraps(init)
     def smc_init(self: Any, *args: Any, **kwargs: Any) -> None:
         self._smc_relay_fds = []
         try:
             init(self, *args, **kwargs)
         finally:
-            for fd in self._smc_relay_fds:  # the child has its copy (or never started)
+            for fd in self.__dict__.get("_smc_relay_fds", ()):  # the child has its copy
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
@@ -218,8 +222,8 @@ def install(subprocess: Any) -> None:
     popen.__init__ = smc_init
 
 
-_dup2_relays: dict[int, tuple[int, int]] = {}
-"""``id(socket)`` → (pid, relay descriptor) of the relays ``os.dup2`` started in this process."""
+_dup2_relays: weakref.WeakKeyDictionary[SmcSocket, tuple[int, int]] = weakref.WeakKeyDictionary()
+"""Socket → (pid, relay descriptor) of the relays ``os.dup2`` started (in that process)."""
 
 
 def install_dup2(os_module: Any) -> None:
@@ -230,13 +234,14 @@ def install_dup2(os_module: Any) -> None:
     if getattr(dup2, "_smc_relay", False):
         return
 
+    @functools.wraps(dup2)
     def smc_dup2(fd: int, fd2: int, inheritable: bool = True) -> int:
         sock = connection_of(fd) if fd != fd2 else None
         if sock is not None:
             pid = os.getpid()
-            known = _dup2_relays.get(id(sock))
+            known = _dup2_relays.get(sock)
             if known is None or known[0] != pid:
-                known = _dup2_relays[id(sock)] = (pid, relay_fd(sock))
+                known = _dup2_relays[sock] = (pid, relay_fd(sock))
             fd = known[1]
         result: int = dup2(fd, fd2, inheritable)
         return result
