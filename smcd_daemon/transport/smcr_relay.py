@@ -250,7 +250,7 @@ class ConnRelay:
         if self.final_sent or self.link_lost:
             return None
         if self.peer_csflags & ConnStateFlag.PEER_CONN_ABORT:
-            return None  # the peer is gone: nothing we say matters
+            return self._answer_abort()
         write = None
         upto = self.tx_sent
         if not self.aborted and self.app_prod > self.tx_sent:
@@ -286,6 +286,26 @@ class ConnRelay:
         if csflags & _CLOSING:
             self.final_sent = True
         return Transmit(cdc, write, upto)
+
+    def _answer_abort(self) -> Transmit:
+        """The peer aborted and we sent no final CDC yet: answer with an abort, no data, as
+        the kernel's ``smc_close_passive_abort_received`` does (``smc_close_abort``). A kernel
+        that aborted on close (data unread) waits in PEERCLOSEWAIT1 for that answer before it
+        frees the socket; without it the socket, and the smc module, stay held."""
+        self.seq = (self.seq + 1) & 0xFFFF
+        flags = (0, int(ConnStateFlag.PEER_CONN_ABORT))
+        cdc = CdcMessage(
+            self.seq,
+            self.peer_token,
+            cursor_at(self.tx_sent, self.tx_len),
+            cursor_at(self.app_cons, self.rx_len),
+            ProducerFlag(0),
+            ConnStateFlag.PEER_CONN_ABORT,
+        )
+        self._flags_sent = flags
+        self._pending.append((self.seq, self.tx_sent, flags))
+        self.final_sent = True
+        return Transmit(cdc, None, self.tx_sent)
 
     def send_done(self, seqno: int) -> None:
         """The CDC with ``seqno`` completed (and every one before it: RC keeps order)."""
@@ -385,10 +405,10 @@ class ConnRelay:
         (or aborted, or no link is left)."""
         if not self.app_gone:
             return False
-        if self.link_lost or self.peer_csflags & ConnStateFlag.PEER_CONN_ABORT:
+        if self.link_lost:
             return True
-        if self.aborted:
-            return self.final_done
+        if self.aborted or self.peer_csflags & ConnStateFlag.PEER_CONN_ABORT:
+            return self.final_done  # our abort (or the answer to the peer's) went out
         return self.final_done and self.peer_closed
 
     @property

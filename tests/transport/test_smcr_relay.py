@@ -155,9 +155,20 @@ def test_application_death_with_data_unread_is_an_abort_for_the_peer() -> None:
     assert b.abort_reason is not None and "unread" in b.abort_reason
     view = a.cdc_received(wire(tx))
     assert view is not None and view.conn_state_flags & ConnStateFlag.PEER_CONN_ABORT
-    assert a.next_send() is None  # nothing to tell an aborted peer
+    # An abort is answered with one, no data (smc_close_passive_abort_received: a kernel that
+    # aborted on close waits for it before it frees its socket), and only once.
+    app_sends(a, 20)
+    answer = a.next_send()
+    assert answer is not None and answer.write is None
+    assert answer.cdc.conn_state_flags == ConnStateFlag.PEER_CONN_ABORT
+    assert a.next_send() is None
     a.app_died()
+    assert not a.finished  # until the answer went out
+    a.send_done(answer.cdc.seqno)
     assert a.finished
+    assert b.cdc_received(wire(answer)) is not None  # the aborted side takes it quietly
+    b.send_done(tx.cdc.seqno)
+    assert b.finished
 
 
 def test_application_death_after_reading_everything_is_a_close_after_its_data() -> None:
