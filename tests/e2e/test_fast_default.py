@@ -410,6 +410,28 @@ def _serve_then_run(
     return client, proc, serr
 
 
+def _talk(
+    daemon: PrivateSmcd, server_code: str, client_code: str, *client_args: object
+) -> tuple[subprocess.CompletedProcess[str], str, str]:
+    """Run ``server_code`` (prints "PORT n", then serves until it ends by itself) and
+    ``client_code`` against it, both under smc-run -v: the client's result and the server's
+    stdout and stderr."""
+    env = _env(daemon)
+    server = subprocess.Popen(_smc_run(env, server_code), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run(_smc_run(env, client_code, port, *client_args),
+                                capture_output=True, text=True, env=env, timeout=90)  # fmt: skip
+        sout, serr = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return client, sout, serr
+
+
 def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
     """socketserver.ForkingTCPServer: the parent closes its copy of each accepted connection
     right after fork() while the child serves it. The parent's close only lets go of its copy
@@ -502,19 +524,7 @@ def test_a_process_that_ends_without_closing_closes_as_on_tcp(
     ``os._exit``s): the kernel closes a dead process's sockets, so on TCP the server reads
     everything, then EOF. On SMC the same, by the close the kernel's ``smc_close_final`` makes
     when nothing received is unread; it used to be ECONNRESET ("peer died")."""
-    env = _env(nocfg)
-    server = subprocess.Popen(_smc_run(env, SINK_SERVER), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, EXITING_CLIENT, port, how), capture_output=True,
-                                text=True, env=env, timeout=60)  # fmt: skip
-        sout, serr = server.communicate(timeout=30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    client, sout, serr = _talk(nocfg, SINK_SERVER, EXITING_CLIENT, how)
     n, sha = client.stdout.split()
     if how == "fork":  # the child's last byte is part of the stream
         n = str(int(n) + 1)
@@ -564,20 +574,7 @@ def test_recv_flags_and_sendmsg_work_as_on_tcp(nocfg: PrivateSmcd) -> None:
     and answers with sendmsg() (the kernel's AF_SMC supports all three; they used to raise
     EOPNOTSUPP on smcd), over SMC-D; socket.fromfd() of an SMC connection's fileno() says
     why it cannot work."""
-    server_argv = _smc_run(_env(nocfg), SNIFFING_SERVER)
-    env = _env(nocfg)
-    server = subprocess.Popen(server_argv, env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, SNIFFING_CLIENT, port), capture_output=True,
-                                text=True, env=env, timeout=60)  # fmt: skip
-        sout, serr = server.communicate(timeout=30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    client, sout, serr = _talk(nocfg, SNIFFING_SERVER, SNIFFING_CLIENT)
     assert client.stdout == "kind=\x00 size=300000 BBB\n", (client.stdout, client.stderr, serr)
     assert sout == "fromfd: 88 True\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
@@ -635,19 +632,7 @@ def test_an_inetd_style_server_gives_the_connection_to_its_child(nocfg: PrivateS
     connection (through a relay process that smc-run forks; the connection's fileno() is an
     eventfd, from which the child used to read nothing while its output vanished). The relays
     end with their connections."""
-    env = _env(nocfg)
-    server = subprocess.Popen(_smc_run(env, INETD_SERVER), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, INETD_CLIENT, port), capture_output=True,
-                                text=True, env=env, timeout=90)  # fmt: skip
-        sout, serr = server.communicate(timeout=30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    client, sout, serr = _talk(nocfg, INETD_SERVER, INETD_CLIENT)
     assert client.returncode == 0 and client.stdout == "INETD OK\n", (client.stderr, serr)
     assert sout == "RC [0, 0, 0]\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 4, client.stderr
