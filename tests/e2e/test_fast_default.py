@@ -387,48 +387,40 @@ print("ECHO OK", flush=True)
 
 
 def _serve_then_run(
-    daemon: PrivateSmcd, server: list[str], client_code: str, *, forever: bool = False
-) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str]:
+    daemon: PrivateSmcd,
+    server: list[str],
+    client_code: str,
+    *client_args: object,
+    forever: bool = False,
+) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str, str]:
     """Start ``server`` (a program under smc-run that prints "PORT n"), run ``client_code`` under
-    smc-run against it; the client's result, the server process and its stderr once it ended
-    (``forever``: it serves until stopped, so it is stopped)."""
+    smc-run against it: the client's result, the server process and its stdout and stderr once
+    it ended (``forever``: it serves until stopped, so it is stopped)."""
     env = _env(daemon)
     proc = subprocess.Popen(server, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)  # fmt: skip
     try:
         assert proc.stdout is not None
         port = proc.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, client_code, port), capture_output=True,
-                                text=True, env=env, timeout=60)  # fmt: skip
+        client = subprocess.run(_smc_run(env, client_code, port, *client_args),
+                                capture_output=True, text=True, env=env, timeout=90)  # fmt: skip
         if forever:
             proc.terminate()
-        _, serr = proc.communicate(timeout=30)
+        sout, serr = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return client, proc, serr
+    return client, proc, sout, serr
 
 
 def _talk(
     daemon: PrivateSmcd, server_code: str, client_code: str, *client_args: object
 ) -> tuple[subprocess.CompletedProcess[str], str, str]:
-    """Run ``server_code`` (prints "PORT n", then serves until it ends by itself) and
-    ``client_code`` against it, both under smc-run -v: the client's result and the server's
-    stdout and stderr."""
-    env = _env(daemon)
-    server = subprocess.Popen(_smc_run(env, server_code), env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, client_code, port, *client_args),
-                                capture_output=True, text=True, env=env, timeout=90)  # fmt: skip
-        sout, serr = server.communicate(timeout=30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    """:func:`_serve_then_run` for a server given as code that ends by itself: the client's
+    result and the server's stdout and stderr."""
+    server = _smc_run(_env(daemon), server_code)
+    client, _, sout, serr = _serve_then_run(daemon, server, client_code, *client_args)
     return client, sout, serr
 
 
@@ -438,7 +430,7 @@ def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
     (it used to close the channel, and the child's connection was reset). The child polls its
     copy before its first read: unclaimed since the fork, the copy keeps readiness."""
     server = _smc_run(_env(nocfg), FORKING_SERVER)
-    client, _, serr = _serve_then_run(nocfg, server, ECHO_CLIENT, forever=True)
+    client, _, _, serr = _serve_then_run(nocfg, server, ECHO_CLIENT, forever=True)
     assert client.returncode == 0 and client.stdout == "ECHO OK\n", (client.stderr, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
@@ -473,7 +465,7 @@ def test_after_fork_one_process_owns_a_connection(nocfg: PrivateSmcd) -> None:
     work (the first use after a fork claims the channel); the parent's copy, whose cursors the
     child has moved past, raises EBUSY instead of reading or writing at stale positions."""
     server_argv = _smc_run(_env(nocfg), SERVER, "127.0.0.1", 0, "echo")
-    client, server, serr = _serve_then_run(nocfg, server_argv, FORKING_CLIENT)
+    client, server, _, serr = _serve_then_run(nocfg, server_argv, FORKING_CLIENT)
     assert client.returncode == 0, client.stderr
     assert client.stdout.startswith("PARENT REFUSED: [Errno 16]"), client.stdout
     assert "belongs to process" in client.stdout, client.stdout
@@ -819,7 +811,7 @@ def test_wrapping_a_connection_smc_run_offered_hands_it_off_once(nocfg: PrivateS
     """``smc_handoff.wrap`` on a socket whose handoff smc-run started waits for that handoff's
     answer and returns the socket; it does not leave the channel to hand the socket off again."""
     server_argv = _smc_run(_env(nocfg), SERVER, "127.0.0.1", 0, "echo")
-    client, server, serr = _serve_then_run(nocfg, server_argv, WRAPPING_CLIENT)
+    client, server, _, serr = _serve_then_run(nocfg, server_argv, WRAPPING_CLIENT)
     assert client.returncode == 0 and client.stdout == "WRAP OK\n", client.stderr
     assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
     assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
