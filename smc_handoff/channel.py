@@ -475,7 +475,7 @@ class Channel(ChannelBase):
             # on it), else every 64th empty read (blocking waits poll the link themselves).
             self._n_empty += 1
             if (self._level or not self._n_empty & 63) and self._check_link():
-                if self._dead:  # the peer died without closing
+                if self._dead:  # the peer ended without closing, with data unread
                     self._raise_reset()
                 # The peer closed after we read its flags: it stores its final cursor and flags
                 # before it closes the link, so looking again sees them (and any last data).
