@@ -450,22 +450,29 @@ class Channel(ChannelBase):
         if wait & WANT_SPACE and wait >> 8 != self._kicked_s and unread <= self._rx_wake_fill:
             self._kick_space(wait)
 
-    def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
-        """recv_into for every case: empty ring, EOF, wrap, level mode, odd buffers, errors."""
+    def _rx_look(self) -> tuple[int, int]:
+        """The slow paths' first look at the RX ring: claim a fenced end, raise on an abort,
+        then the peer's flags and the bytes there (flags read *before* the producer cursor)."""
         if self._fence:
             self._pass_fence()
         hdr = self._rx_hdr
-        flags = hdr[W_CONS] >> CSFLAGS_SHIFT  # read flags *before* the producer cursor
+        flags = hdr[W_CONS] >> CSFLAGS_SHIFT
         if flags & PEER_CONN_ABORT or self._dead:
             self._stop_fast()
             self._raise_reset()
         prod = hdr[W_PROD]
+        avail = (
+            (((prod >> WRAP_SHIFT) - self._rx_wrap) & 0xFFFF) * self._rx_len
+            + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
+            - self._rx_pos
+        )
+        return flags, avail
+
+    def _recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """recv_into for every case: empty ring, EOF, wrap, level mode, odd buffers, errors."""
+        flags, avail = self._rx_look()
         L = self._rx_len
         pos = self._rx_pos
-        wrap = self._rx_wrap
-        avail = (
-            (((prod >> WRAP_SHIFT) - wrap) & 0xFFFF) * L + (prod >> COUNT_SHIFT & 0xFFFFFFFF) - pos
-        )
         if avail <= 0:
             if avail < 0:
                 self._protocol_violation(f"peer producer cursor is {-avail} bytes behind")
@@ -556,22 +563,10 @@ class Channel(ChannelBase):
         consumer cursor stays; the next read returns them again), as the kernel's
         ``smc_rx_recvmsg`` does. Returns the count and whether the peer is done writing (the
         bytes there are all that will come). An empty ring and errors as :meth:`recv_into`."""
-        if self._fence:
-            self._pass_fence()
-        hdr = self._rx_hdr
-        flags = hdr[W_CONS] >> CSFLAGS_SHIFT  # read flags *before* the producer cursor
+        flags, avail = self._rx_look()
         done = bool(flags & (PEER_DONE_WRITING | PEER_CONN_CLOSED))
-        if flags & PEER_CONN_ABORT or self._dead:
-            self._stop_fast()
-            self._raise_reset()
-        prod = hdr[W_PROD]
         L = self._rx_len
         pos = self._rx_pos
-        avail = (
-            (((prod >> WRAP_SHIFT) - self._rx_wrap) & 0xFFFF) * L
-            + (prod >> COUNT_SHIFT & 0xFFFFFFFF)
-            - pos
-        )
         if avail <= 0 or avail > L:  # nothing (EOF, a dead peer, level mode) or a violation
             return self._recv_into(memoryview(bytearray(0))), done
         mv = buffer if type(buffer) is memoryview else memoryview(buffer)

@@ -34,16 +34,17 @@ import functools
 import gc
 import os
 import select
-import signal
 import socket
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from smc_handoff.channel import Channel
-from smc_handoff.socket import SmcSocket
+from smc_handoff.socket import SmcSocket, is_eventfd
 
-__all__ = ["connection_of", "install", "install_dup2", "relay_fd"]
+if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
+    from smc_handoff.channel import Channel
+
+__all__ = ["connection_of", "dup2_source", "install", "relay_fd"]
 
 #: How often a relay thread waiting for the peer's data looks whether the child is gone.
 _GONE_POLL_S = 0.05
@@ -57,10 +58,7 @@ def connection_of(obj: Any) -> SmcSocket | None:
         return obj if obj.channel is not None else None
     if not isinstance(obj, int) or isinstance(obj, bool) or obj < 0:
         return None
-    try:
-        if os.readlink(f"/proc/self/fd/{obj}") != "anon_inode:[eventfd]":
-            return None
-    except OSError:
+    if not is_eventfd(obj):
         return None
     # Rare (an eventfd given as a child's stream): look through the live sockets rather than
     # keep an index on every handoff's path.
@@ -114,6 +112,8 @@ def relay_fd(sock: SmcSocket) -> int:
 
 def _relay(ch: Channel, child: _socket.socket, keep: set[int], ready_w: int) -> None:
     """The relay process: never returns."""
+    import signal
+
     code = 1
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
@@ -226,25 +226,15 @@ _dup2_relays: weakref.WeakKeyDictionary[SmcSocket, tuple[int, int]] = weakref.We
 """Socket → (pid, relay descriptor) of the relays ``os.dup2`` started (in that process)."""
 
 
-def install_dup2(os_module: Any) -> None:
-    """Make ``os.dup2(fd, fd2)`` put a relay's socket on ``fd2`` when ``fd`` is an SMC
-    connection's ``fileno()`` (the fork-and-exec way to give a child the connection); one relay
-    per connection and process however many streams it becomes."""
-    dup2 = os_module.dup2
-    if getattr(dup2, "_smc_relay", False):
-        return
-
-    @functools.wraps(dup2)
-    def smc_dup2(fd: int, fd2: int, inheritable: bool = True) -> int:
-        sock = connection_of(fd) if fd != fd2 else None
-        if sock is not None:
-            pid = os.getpid()
-            known = _dup2_relays.get(sock)
-            if known is None or known[0] != pid:
-                known = _dup2_relays[sock] = (pid, relay_fd(sock))
-            fd = known[1]
-        result: int = dup2(fd, fd2, inheritable)
-        return result
-
-    smc_dup2._smc_relay = True  # type: ignore[attr-defined]
-    os_module.dup2 = smc_dup2
+def dup2_source(fd: int) -> int:
+    """What ``os.dup2(fd, ...)`` should copy under smc-run: a relay's socket when ``fd`` is an
+    SMC connection's ``fileno()`` (the fork-and-exec way to give a child the connection), one
+    relay per connection and process however many streams it becomes; else ``fd``."""
+    sock = connection_of(fd)
+    if sock is None:
+        return fd
+    pid = os.getpid()
+    known = _dup2_relays.get(sock)
+    if known is None or known[0] != pid:
+        known = _dup2_relays[sock] = (pid, relay_fd(sock))
+    return known[1]

@@ -41,7 +41,7 @@ from typing import Any
 
 from smc_handoff import messages, peer_option
 from smc_handoff.handoff import Registration
-from smc_handoff.socket import SmcSocket, accepted
+from smc_handoff.socket import SmcSocket, accepted, is_eventfd
 
 __all__ = [
     "AutoSocket",
@@ -291,6 +291,27 @@ def _patch_subprocess(subprocess: Any) -> None:
     child_relay.install(subprocess)
 
 
+def _patch_dup2() -> None:
+    """``os.dup2`` of an SMC connection's ``fileno()`` copies a relay's socket instead
+    (:func:`smc_handoff.child_relay.dup2_source`); anything but an eventfd passes straight
+    through, and the relay module is imported only when one comes."""
+    dup2 = os.dup2
+    if getattr(dup2, "_smc_relay", False):
+        return
+
+    @functools.wraps(dup2)
+    def smc_dup2(fd: int, fd2: int, inheritable: bool = True) -> int:
+        if fd != fd2 and is_eventfd(fd):
+            from smc_handoff import child_relay
+
+            fd = child_relay.dup2_source(fd)
+        result: int = dup2(fd, fd2, inheritable)
+        return result
+
+    smc_dup2._smc_relay = True  # type: ignore[attr-defined]
+    os.dup2 = smc_dup2
+
+
 def _patch_uvloop(uvloop: Any) -> None:
     from smc_handoff import aio_loop
 
@@ -351,9 +372,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("ssl", _patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
     _patch_on_import("subprocess", _patch_subprocess)
-    from smc_handoff import child_relay
-
-    child_relay.install_dup2(os)
+    _patch_dup2()
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

@@ -111,7 +111,8 @@ Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 _Smc = ChannelState
 
 
-def _is_eventfd(fd: int) -> bool:
+def is_eventfd(fd: int) -> bool:
+    """Is ``fd`` an eventfd (what an SMC connection's ``fileno()`` is)? One ``readlink``."""
     try:
         return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
     except OSError:
@@ -215,7 +216,7 @@ class SmcSocket(_BaseSocket):
         try:
             super().__init__(family, type, proto, fileno)
         except OSError as e:
-            if fileno is None or e.errno != errno.ENOTSOCK or not _is_eventfd(fileno):
+            if fileno is None or e.errno != errno.ENOTSOCK or not is_eventfd(fileno):
                 raise
             raise OSError(
                 errno.ENOTSOCK,
