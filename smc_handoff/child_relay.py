@@ -20,14 +20,23 @@ included:
   it held (EOF for the peer, or a reset when the child left received data unread).
 
 ``subprocess`` is one way to give a child the connection; a forked process that ``os.dup2()``s
-it onto its standard streams and ``exec``s (``http.server``'s CGI handler) is the other, and
-``os.dup2`` of an SMC connection's ``fileno()`` puts a relay's socket there the same way. Not
-covered: the descriptor passed in ``pass_fds`` or over ``SCM_RIGHTS`` (it is still the eventfd).
+it onto its standard streams and ``exec``s (``http.server``'s CGI handler) is another, and
+``os.dup2`` of an SMC connection's ``fileno()`` puts a relay's socket there the same way. Two
+more ways hand another process the descriptor itself, and get a relay's socket in its place:
+
+- ``Popen(..., pass_fds=[conn.fileno()])``: the child finds the relay's socket at that very
+  number (for the length of ``Popen``, the number is moved onto the socket and back; the
+  caller's copy is the relay's by then, and uses no descriptor until it is closed);
+- ``SCM_RIGHTS`` (``socket.send_fds``, ``multiprocessing``'s handle passing, any ``sendmsg``
+  with rights): the receiver gets the relay's socket; our copy of it is closed once sent, so
+  the connection ends when the receiver closes it, as a TCP socket passed on does once the
+  sender has closed its own.
 """
 
 from __future__ import annotations
 
 import _socket
+import array
 import contextlib
 import errno
 import functools
@@ -44,7 +53,7 @@ from smc_handoff.socket import SmcSocket, is_eventfd
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
 
-__all__ = ["connection_of", "dup2_source", "install", "relay_fd"]
+__all__ = ["connection_of", "dup2_source", "install", "relay_fd", "relay_rights"]
 
 #: How often a relay thread waiting for the peer's data looks whether the child is gone.
 _GONE_POLL_S = 0.05
@@ -191,6 +200,8 @@ def install(subprocess: Any) -> None:
     if get_handles is None or getattr(get_handles, "_smc_relay", False):
         return
     init = popen.__init__
+    # pass_fds's place among the positional arguments (self not counted)
+    pass_fds_arg = init.__code__.co_varnames.index("pass_fds") - 1
 
     def smc_get_handles(self: Any, stdin: Any, stdout: Any, stderr: Any) -> Any:
         relays: dict[int, int] = {}
@@ -210,9 +221,23 @@ def install(subprocess: Any) -> None:
     @functools.wraps(init)
     def smc_init(self: Any, *args: Any, **kwargs: Any) -> None:
         self._smc_relay_fds = []
+        moved: list[tuple[int, int]] = []  # (the pass_fds number, where its eventfd waits)
         try:
+            pass_fds = kwargs.get("pass_fds", args[pass_fds_arg] if len(args) > pass_fds_arg
+                                  else ())  # fmt: skip
+            for fd in dict.fromkeys(pass_fds or ()):
+                sock = connection_of(fd)
+                if sock is None:
+                    continue
+                relay = relay_fd(sock)
+                self._smc_relay_fds.append(relay)
+                moved.append((fd, os.dup(fd)))
+                _raw_dup2(relay, fd, inheritable=False)  # Popen makes pass_fds inheritable
             init(self, *args, **kwargs)
         finally:
+            for fd, saved in moved:  # the caller's number is its eventfd again
+                _raw_dup2(saved, fd, inheritable=False)
+                os.close(saved)
             for fd in self.__dict__.get("_smc_relay_fds", ()):  # the child has its copy
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -220,6 +245,47 @@ def install(subprocess: Any) -> None:
     smc_get_handles._smc_relay = True  # type: ignore[attr-defined]
     popen._get_handles = smc_get_handles
     popen.__init__ = smc_init
+
+
+def _raw_dup2(fd: int, fd2: int, inheritable: bool) -> None:
+    """``os.dup2`` as the os module has it, without smc-run's relay (ours move descriptors)."""
+    dup2 = getattr(os.dup2, "__wrapped__", os.dup2)
+    dup2(fd, fd2, inheritable)
+
+
+_SCM_RIGHTS = (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+
+
+def relay_rights(ancdata: list[Any]) -> tuple[list[Any], list[int]] | None:
+    """``sendmsg`` ancillary data with every SMC connection's ``fileno()`` in an
+    ``SCM_RIGHTS`` entry replaced by a relay's socket, and those sockets (to close once sent);
+    None when there is no such descriptor."""
+    out: list[Any] = []
+    relays: dict[int, int] = {}
+    try:
+        for item in ancdata:
+            level, kind, data = item
+            if (level, kind) != _SCM_RIGHTS:
+                out.append(item)
+                continue
+            fds = array.array("i")
+            raw = memoryview(data).cast("B")
+            fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
+            changed = False
+            for i, fd in enumerate(fds):
+                sock = connection_of(fd) if is_eventfd(fd) else None
+                if sock is None:
+                    continue
+                if id(sock) not in relays:
+                    relays[id(sock)] = relay_fd(sock)
+                fds[i] = relays[id(sock)]
+                changed = True
+            out.append((level, kind, fds) if changed else item)
+    except BaseException:
+        for fd in relays.values():
+            os.close(fd)
+        raise
+    return (out, list(relays.values())) if relays else None
 
 
 _dup2_relays: weakref.WeakKeyDictionary[SmcSocket, tuple[int, int]] = weakref.WeakKeyDictionary()

@@ -245,6 +245,25 @@ class AutoSocket(SmcSocket):
         report("accept", smc, addr)
         return smc, addr
 
+    def sendmsg(self, buffers: Any, ancdata: Any = (), flags: int = 0, address: Any = None) -> int:
+        """An SMC connection's ``fileno()`` sent with ``SCM_RIGHTS`` (an eventfd the receiver
+        could not use as a socket) goes as a relay's socket instead
+        (:func:`smc_handoff.child_relay.relay_rights`)."""
+        relays: list[int] = []
+        if ancdata:
+            ancdata = list(ancdata)
+            if any(_carries_eventfd(item) for item in ancdata):
+                from smc_handoff import child_relay
+
+                swapped = child_relay.relay_rights(ancdata)
+                if swapped is not None:
+                    ancdata, relays = swapped
+        try:
+            return super().sendmsg(buffers, ancdata, flags, address)
+        finally:
+            for fd in relays:  # the receiver has its copy (or none, if the send failed)
+                os.close(fd)
+
     def detach(self) -> int:
         """Whoever takes the descriptor (``ssl``) will not hand connections off: unregister."""
         if self._registration is not None:
@@ -258,6 +277,19 @@ class AutoSocket(SmcSocket):
             reg.close()
             self._registration = None
         super()._real_close(*args)
+
+
+def _carries_eventfd(item: Any) -> bool:
+    """Is ``item`` (``sendmsg`` ancillary data) an ``SCM_RIGHTS`` entry with an eventfd?"""
+    try:
+        level, kind, data = item
+        if level != _csocket.SOL_SOCKET or kind != _csocket.SCM_RIGHTS:
+            return False
+        raw = memoryview(data).cast("B")
+    except (TypeError, ValueError):
+        return False  # the send itself says what is wrong with it
+    whole = len(raw) - len(raw) % 4
+    return any(is_eventfd(fd) for fd in raw[:whole].cast("i"))
 
 
 def _patch_ssl(ssl: Any) -> None:

@@ -687,6 +687,83 @@ def test_the_cgi_server_of_http_server_runs_its_scripts_over_smcd(nocfg: Private
     assert "Traceback" not in serr and "Exception" not in serr, serr
 
 
+PASSING_SERVER = r"""
+import multiprocessing, os, socket, subprocess, sys  # passing-server-marker
+from multiprocessing import reduction
+def is_eventfd(fd):
+    return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+ECHO = ("import hashlib, socket, sys\n"
+        "s = socket.socket(fileno=int(sys.argv[1]))\n"
+        "while d := s.recv(65536):\n"
+        "    s.sendall(d)\n"
+        "s.close()\n")
+def serve(c):  # a worker: echo until EOF
+    while d := c.recv(65536):
+        c.sendall(d)
+    c.close()
+unix_parent, unix_worker = socket.socketpair()
+pipe_parent, pipe_worker = multiprocessing.Pipe()
+if os.fork() == 0:  # a worker forked before any connection: it gets each one passed to it
+    unix_parent.close()
+    _, fds, _, _ = socket.recv_fds(unix_worker, 1, 1)
+    serve(socket.socket(fileno=fds[0]))
+    serve(socket.socket(fileno=reduction.recv_handle(pipe_worker)))
+    os._exit(0)
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()  # 1: SCM_RIGHTS through socket.send_fds
+assert is_eventfd(conn.fileno())
+socket.send_fds(unix_parent, [b"c"], [conn.fileno()])
+conn.close()
+conn, _ = lsock.accept()  # 2: multiprocessing's handle passing
+reduction.send_handle(pipe_parent, conn.fileno(), os.getpid())
+conn.close()
+conn, _ = lsock.accept()  # 3: a child started with the descriptor in pass_fds
+fd = conn.fileno()
+child = subprocess.Popen([sys.executable, "-c", ECHO, str(fd)], pass_fds=[fd])
+print("AFTER POPEN", fd == conn.fileno() and is_eventfd(fd), flush=True)
+conn.close()
+print("RC", child.wait(), os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
+"""
+
+PASSING_CLIENT = r"""
+import hashlib, os, socket, sys, threading
+port = int(sys.argv[1])
+for i in range(3):
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = os.urandom(1_000_000 + i)
+    def send():
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+    t = threading.Thread(target=send)
+    t.start()
+    back = bytearray()
+    while chunk := sock.recv(1 << 20):
+        back += chunk
+    t.join()
+    assert back == data, (i, len(back), len(data))
+    sock.close()
+print("PASSING OK", flush=True)
+"""
+
+
+def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) -> None:
+    """An accepted SMC connection passed on as TCP sockets are: with SCM_RIGHTS
+    (``socket.send_fds``), with ``multiprocessing``'s handle passing, and in a child's
+    ``pass_fds``. The receiver used to get the channel's eventfd, useless as a socket; under
+    smc-run it gets a relay's socket (the pass_fds child at the very number it was given, which
+    is the parent's eventfd again once Popen returns), and 1 MB echoes intact both ways."""
+    client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT)
+    assert client.returncode == 0 and client.stdout == "PASSING OK\n", (client.stderr, serr)
+    assert sout == "AFTER POPEN True\nRC 0 0\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
+    deadline = time.monotonic() + 5
+    while relays := _processes_with("passing-server-marker"):
+        assert time.monotonic() < deadline, f"relay processes left: {relays}"
+        time.sleep(0.05)
+
+
 def _processes_with(marker: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
