@@ -30,7 +30,11 @@ more ways hand another process the descriptor itself, and get a relay's socket i
 - ``SCM_RIGHTS`` (``socket.send_fds``, ``multiprocessing``'s handle passing, any ``sendmsg``
   with rights): the receiver gets the relay's socket; our copy of it is closed once sent, so
   the connection ends when the receiver closes it, as a TCP socket passed on does once the
-  sender has closed its own.
+  sender has closed its own;
+- pickled by ``multiprocessing`` (a ``Pool`` task's argument, a ``Queue``, a spawned
+  ``Process``'s arguments), which passes a socket's descriptor: the connection is pickled as
+  the relay's socket, which this process keeps open until it closes the connection (the
+  descriptor may be passed after the pickling, when a spawned child starts).
 """
 
 from __future__ import annotations
@@ -53,7 +57,14 @@ from smc_handoff.socket import SmcSocket, is_eventfd
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
 
-__all__ = ["connection_of", "dup2_source", "install", "relay_fd", "relay_rights"]
+__all__ = [
+    "connection_of",
+    "dup2_source",
+    "install",
+    "install_pickling",
+    "relay_fd",
+    "relay_rights",
+]
 
 #: How often a relay thread waiting for the peer's data looks whether the child is gone.
 _GONE_POLL_S = 0.05
@@ -251,6 +262,28 @@ def _raw_dup2(fd: int, fd2: int, inheritable: bool) -> None:
     """``os.dup2`` as the os module has it, without smc-run's relay (ours move descriptors)."""
     dup2 = getattr(os.dup2, "__wrapped__", os.dup2)
     dup2(fd, fd2, inheritable)
+
+
+def install_pickling(reduction: Any) -> None:
+    """Make ``multiprocessing`` pickle an SMC connection as a relay's socket (``reduction``
+    is ``multiprocessing.reduction``, whose socket reducer passes ``fileno()``: the eventfd)."""
+    rebuild = getattr(reduction, "_rebuild_socket", None)
+    original = getattr(reduction, "_reduce_socket", None)
+    if rebuild is None or original is None or getattr(original, "_smc_relay", False):
+        return
+
+    def reduce_socket(s: Any) -> Any:
+        smc = getattr(s, "_smc", None)
+        if not isinstance(s, SmcSocket) or smc is None or smc.channel.closed:
+            return original(s)
+        fd = relay_fd(s)
+        smc.relays.append(fd)  # closed with the connection here (see ChannelState.relays)
+        return rebuild, (reduction.DupFd(fd), socket.AF_UNIX, socket.SOCK_STREAM, 0)
+
+    reduce_socket._smc_relay = True  # type: ignore[attr-defined]
+    reduction._reduce_socket = reduce_socket
+    for cls in {SmcSocket, socket.socket}:  # pickling looks a reducer up by the exact type
+        reduction.register(cls, reduce_socket)
 
 
 _SCM_RIGHTS = (socket.SOL_SOCKET, socket.SCM_RIGHTS)

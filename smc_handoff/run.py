@@ -323,6 +323,12 @@ def _patch_subprocess(subprocess: Any) -> None:
     child_relay.install(subprocess)
 
 
+def _patch_mp_reduction(reduction: Any) -> None:
+    from smc_handoff import child_relay
+
+    child_relay.install_pickling(reduction)
+
+
 def _patch_dup2() -> None:
     """``os.dup2`` of an SMC connection's ``fileno()`` copies a relay's socket instead
     (:func:`smc_handoff.child_relay.dup2_source`); anything but an eventfd passes straight
@@ -404,6 +410,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("ssl", _patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
     _patch_on_import("subprocess", _patch_subprocess)
+    _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)

@@ -16,10 +16,12 @@ transport each connection end got.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -395,10 +397,12 @@ def _serve_then_run(
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str, str]:
     """Start ``server`` (a program under smc-run that prints "PORT n"), run ``client_code`` under
     smc-run against it: the client's result, the server process and its stdout and stderr once
-    it ended (``forever``: it serves until stopped, so it is stopped)."""
+    it ended (``forever``: it serves until stopped, so it is stopped). The server runs in a
+    session of its own, killed at the end with whatever is left in it (a failed test's pool
+    workers or forked children; relays leave it by themselves)."""
     env = _env(daemon)
     proc = subprocess.Popen(server, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+                            stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     try:
         assert proc.stdout is not None
         port = proc.stdout.readline().split()[1]
@@ -408,8 +412,9 @@ def _serve_then_run(
             proc.terminate()
         sout, serr = proc.communicate(timeout=30)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if proc.poll() is None:
-            proc.kill()
             proc.wait()
     return client, proc, sout, serr
 
@@ -729,7 +734,7 @@ print("RC", child.wait(), os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
 PASSING_CLIENT = r"""
 import hashlib, os, socket, sys, threading
 port = int(sys.argv[1])
-for i in range(3):
+for i in range(int(sys.argv[2])):
     sock = socket.create_connection(("127.0.0.1", port))
     data = os.urandom(1_000_000 + i)
     def send():
@@ -753,13 +758,72 @@ def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) 
     ``pass_fds``. The receiver used to get the channel's eventfd, useless as a socket; under
     smc-run it gets a relay's socket (the pass_fds child at the very number it was given, which
     is the parent's eventfd again once Popen returns), and 1 MB echoes intact both ways."""
-    client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT)
+    client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT, 3)
     assert client.returncode == 0 and client.stdout == "PASSING OK\n", (client.stderr, serr)
     assert sout == "AFTER POPEN True\nRC 0 0\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
     deadline = time.monotonic() + 5
     while relays := _processes_with("passing-server-marker"):
+        assert time.monotonic() < deadline, f"relay processes left: {relays}"
+        time.sleep(0.05)
+
+
+PICKLING_SERVER = r"""
+import multiprocessing, os, socket, sys, tempfile  # pickling-server-marker
+def serve(c):  # in a worker: echo until EOF
+    while d := c.recv(65536):
+        c.sendall(d)
+    c.close()
+    return c.family.name
+def from_queue(q):
+    return serve(q.get())
+if __name__ == "__main__":
+    # a spawned child imports its target: a module of its own (a -c program's are not)
+    home = tempfile.mkdtemp()
+    with open(os.path.join(home, "spawned_echo.py"), "w") as f:
+        f.write("def serve(c):\n    while d := c.recv(65536):\n        c.sendall(d)\n")
+    sys.path.insert(0, home)
+    import spawned_echo
+    pool = multiprocessing.Pool(1)  # workers forked before any connection
+    queue = multiprocessing.Queue()
+    worker = multiprocessing.Process(target=from_queue, args=(queue,))
+    worker.start()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    print("PORT", lsock.getsockname()[1], flush=True)
+    conn, _ = lsock.accept()  # 1: a Pool task's argument
+    print("POOL", pool.apply(serve, (conn,)), flush=True)
+    conn.close()
+    conn, _ = lsock.accept()  # 2: through a Queue
+    queue.put(conn)
+    worker.join()
+    conn.close()
+    print("QUEUE", worker.exitcode, flush=True)
+    pool.close()
+    pool.join()
+    conn, _ = lsock.accept()  # 3: a spawned Process's argument (passed when it starts)
+    spawned = multiprocessing.get_context("spawn").Process(target=spawned_echo.serve,
+                                                           args=(conn,))
+    spawned.start()
+    conn.close()
+    spawned.join()
+    print("SPAWN", spawned.exitcode, flush=True)
+"""
+
+
+def test_multiprocessing_pickles_a_connection_for_its_workers(nocfg: PrivateSmcd) -> None:
+    """``multiprocessing`` pickles a socket as its descriptor (a Pool task's argument, a
+    Queue, a spawned Process's arguments): an SMC connection reaches the worker as a relay's
+    socket, not the eventfd (which pickled to ENOTSOCK in the worker, and an accepted SmcSocket
+    not at all), and echoes 1 MB intact both ways. The server's copy keeps the connection open
+    until it closes it, as a TCP socket's would."""
+    client, sout, serr = _talk(nocfg, PICKLING_SERVER, PASSING_CLIENT, 3)
+    assert client.returncode == 0 and client.stdout == "PASSING OK\n", (client.stderr, serr)
+    assert sout == "POOL AF_UNIX\nQUEUE 0\nSPAWN 0\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
+    deadline = time.monotonic() + 5
+    while relays := _processes_with("pickling-server-marker"):
         assert time.monotonic() < deadline, f"relay processes left: {relays}"
         time.sleep(0.05)
 
