@@ -28,13 +28,12 @@ more ways hand another process the descriptor itself, and get a relay's socket i
   number (for the length of ``Popen``, the number is moved onto the socket and back; the
   caller's copy is the relay's by then, and uses no descriptor until it is closed);
 - ``SCM_RIGHTS`` (``socket.send_fds``, ``multiprocessing``'s handle passing, any ``sendmsg``
-  with rights): the receiver gets the relay's socket; our copy of it is closed once sent, so
-  the connection ends when the receiver closes it, as a TCP socket passed on does once the
-  sender has closed its own;
-- pickled by ``multiprocessing`` (a ``Pool`` task's argument, a ``Queue``, a spawned
-  ``Process``'s arguments), which passes a socket's descriptor: the connection is pickled as
-  the relay's socket, which this process keeps open until it closes the connection (the
-  descriptor may be passed after the pickling, when a spawned child starts).
+  with rights on a Unix socket) and pickling by ``multiprocessing`` (a ``Pool`` task's
+  argument, a ``Queue``, a spawned ``Process``'s arguments: it passes a socket's descriptor)
+  send the relay's socket (:func:`shared_relay`: one per connection, however often it is
+  sent, and a send that fails and is tried again sends the same). This process keeps its copy
+  until it closes the connection, so the connection ends when the receivers and this process
+  have closed it, as a TCP socket passed on does.
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ __all__ = [
     "install_pickling",
     "relay_fd",
     "relay_rights",
+    "shared_relay",
 ]
 
 #: How often a relay thread waiting for the peer's data looks whether the child is gone.
@@ -276,9 +276,7 @@ def install_pickling(reduction: Any) -> None:
         smc = getattr(s, "_smc", None)
         if not isinstance(s, SmcSocket) or smc is None or smc.channel.closed:
             return original(s)
-        fd = relay_fd(s)
-        smc.relays.append(fd)  # closed with the connection here (see ChannelState.relays)
-        return rebuild, (reduction.DupFd(fd), socket.AF_UNIX, socket.SOCK_STREAM, 0)
+        return rebuild, (reduction.DupFd(shared_relay(s)), socket.AF_UNIX, socket.SOCK_STREAM, 0)
 
     reduce_socket._smc_relay = True  # type: ignore[attr-defined]
     reduction._reduce_socket = reduce_socket
@@ -289,36 +287,40 @@ def install_pickling(reduction: Any) -> None:
 _SCM_RIGHTS = (socket.SOL_SOCKET, socket.SCM_RIGHTS)
 
 
-def relay_rights(ancdata: list[Any]) -> tuple[list[Any], list[int]] | None:
+def shared_relay(sock: SmcSocket) -> int:
+    """The relay socket sent in place of ``sock``'s connection to other processes: started at
+    the first send, then the same; closed with the connection's last close here
+    (:attr:`~smc_handoff.handoff.ChannelState.relay`)."""
+    smc = sock._smc
+    if smc is None:
+        raise OSError(errno.EINVAL, "not an SMC connection")
+    if smc.relay is None:
+        smc.relay = relay_fd(sock)
+    return smc.relay
+
+
+def relay_rights(ancdata: list[Any]) -> list[Any] | None:
     """``sendmsg`` ancillary data with every SMC connection's ``fileno()`` in an
-    ``SCM_RIGHTS`` entry replaced by a relay's socket, and those sockets (to close once sent);
-    None when there is no such descriptor."""
+    ``SCM_RIGHTS`` entry replaced by its :func:`shared_relay`; None when there is none."""
     out: list[Any] = []
-    relays: dict[int, int] = {}
-    try:
-        for item in ancdata:
-            level, kind, data = item
-            if (level, kind) != _SCM_RIGHTS:
-                out.append(item)
-                continue
-            fds = array.array("i")
-            raw = memoryview(data).cast("B")
-            fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
-            changed = False
-            for i, fd in enumerate(fds):
-                sock = connection_of(fd) if is_eventfd(fd) else None
-                if sock is None:
-                    continue
-                if id(sock) not in relays:
-                    relays[id(sock)] = relay_fd(sock)
-                fds[i] = relays[id(sock)]
-                changed = True
-            out.append((level, kind, fds) if changed else item)
-    except BaseException:
-        for fd in relays.values():
-            os.close(fd)
-        raise
-    return (out, list(relays.values())) if relays else None
+    changed = False
+    for item in ancdata:
+        level, kind, data = item
+        if (level, kind) != _SCM_RIGHTS:
+            out.append(item)
+            continue
+        fds = array.array("i")
+        raw = memoryview(data).cast("B")
+        fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
+        swapped = False
+        for i, fd in enumerate(fds):
+            sock = connection_of(fd) if is_eventfd(fd) else None
+            if sock is not None:
+                fds[i] = shared_relay(sock)
+                swapped = True
+        out.append((level, kind, fds) if swapped else item)
+        changed = changed or swapped
+    return out if changed else None
 
 
 _dup2_relays: weakref.WeakKeyDictionary[SmcSocket, tuple[int, int]] = weakref.WeakKeyDictionary()

@@ -60,7 +60,7 @@ import termios
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from smc_handoff import messages, peer_option
@@ -620,10 +620,10 @@ class ChannelState:
     deadline: float | None = None  # of the sendall() in progress (None: per call)
     resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
     holders: int = 1  # socket objects sharing this connection (dup()): the last close closes it
-    relays: list[int] = field(default_factory=list)
-    """Relay sockets given to other processes by pickling (``child_relay.install_pickling``),
-    kept open until the connection's last close here, as a TCP socket passed on stays open
-    while the sender holds its own copy."""
+    relay: int | None = None
+    """The relay socket that stands in for the connection in processes it was sent to
+    (``child_relay.shared_relay``), kept open until the connection's last close here, as a
+    TCP socket passed on stays open while the sender holds its own copy."""
 
     RECHECK_S = 1.0
 

@@ -139,6 +139,7 @@ _family_of = _csocket.socket.family.__get__
 _type_of = _csocket.socket.type.__get__
 _IP_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
 _SOCK_STREAM = int(_socket.SOCK_STREAM)
+_AF_UNIX = int(_socket.AF_UNIX)
 
 
 def _eligible(sock: _socket.socket) -> bool:
@@ -249,20 +250,13 @@ class AutoSocket(SmcSocket):
         """An SMC connection's ``fileno()`` sent with ``SCM_RIGHTS`` (an eventfd the receiver
         could not use as a socket) goes as a relay's socket instead
         (:func:`smc_handoff.child_relay.relay_rights`)."""
-        relays: list[int] = []
-        if ancdata:
+        if ancdata and _family_of(self) == _AF_UNIX:
             ancdata = list(ancdata)
             if any(_carries_eventfd(item) for item in ancdata):
                 from smc_handoff import child_relay
 
-                swapped = child_relay.relay_rights(ancdata)
-                if swapped is not None:
-                    ancdata, relays = swapped
-        try:
-            return super().sendmsg(buffers, ancdata, flags, address)
-        finally:
-            for fd in relays:  # the receiver has its copy (or none, if the send failed)
-                os.close(fd)
+                ancdata = child_relay.relay_rights(ancdata) or ancdata
+        return super().sendmsg(buffers, ancdata, flags, address)
 
     def detach(self) -> int:
         """Whoever takes the descriptor (``ssl``) will not hand connections off: unregister."""

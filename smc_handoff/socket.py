@@ -703,9 +703,9 @@ class SmcSocket(_BaseSocket):
                 # work twice, so none is sent; the protocol still accepts one).
                 if smc.control is not None:
                     smc.control.close()
-                for fd in smc.relays:
+                if smc.relay is not None:
                     with contextlib.suppress(OSError):
-                        os.close(fd)
+                        os.close(smc.relay)
         _ss.close(self)
 
     def abort(self) -> None:

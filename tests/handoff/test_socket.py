@@ -991,6 +991,47 @@ def test_a_relay_gives_a_child_process_the_connection(daemon: MiniDaemon) -> Non
     a.close()
 
 
+def test_rights_carry_one_relay_held_until_the_senders_close(daemon: MiniDaemon) -> None:
+    """child_relay.relay_rights (smc-run's sendmsg): an SMC connection's fileno() in an
+    SCM_RIGHTS entry becomes its relay's socket, the same one however often it is sent (a send
+    that failed and is tried again); other descriptors and entries stay as they were. The
+    connection ends once the receiver and the sender have both closed it, as a TCP socket
+    passed on does: not at the receiver's close while the sender still holds its copy."""
+    import array
+
+    from smc_handoff import child_relay
+
+    a, b = wrapped_pair()
+    rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+    other = (socket.SOL_SOCKET, 99, b"kept")
+    entry = (*rights, array.array("i", [1, b.fileno()]))
+    first = child_relay.relay_rights([other, entry])
+    again = child_relay.relay_rights([entry])
+    assert first is not None and again is not None
+    assert first[0] == other and first[1][2][0] == 1  # untouched: not an SMC connection
+    relay = first[1][2][1]
+    assert again[0][2][1] == relay != b.fileno()
+    assert child_relay.relay_rights([(*rights, array.array("i", [1]))]) is None
+    sender, receiver = socket.socketpair()
+    socket.send_fds(sender, [b"c"], [relay])
+    _, fds, _, _ = socket.recv_fds(receiver, 1, 1)
+    passed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fds[0])
+    a.sendall(b"to the receiver")
+    assert recv_exactly(passed, 15) == b"to the receiver"
+    passed.sendall(b"back")
+    assert recv_exactly(a, 4) == b"back"
+    passed.close()  # the sender's copy holds the connection on
+    a.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        a.recv(1)
+    b.close()  # the last copy: the relay closes the connection in order
+    a.settimeout(5)
+    assert a.recv(1) == b""
+    a.close()
+    sender.close()
+    receiver.close()
+
+
 def test_dup_holds_the_connection_until_the_last_close(daemon: MiniDaemon) -> None:
     """socket.dup() of an SMC socket: another object for the same connection, as dup(2) gives
     another descriptor for one socket; closing one leaves the connection to the other."""
