@@ -634,10 +634,7 @@ def test_an_inetd_style_server_gives_the_connection_to_its_child(nocfg: PrivateS
     assert sout == "RC [0, 0, 0]\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 4, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 4, serr
-    deadline = time.monotonic() + 5
-    while relays := _processes_with("inetd-style-server-marker"):
-        assert time.monotonic() < deadline, f"relay processes left: {relays}"
-        time.sleep(0.05)
+    _relays_end("inetd-style-server-marker")
 
 
 CGI_SCRIPT = """#!/usr/bin/python3
@@ -763,10 +760,7 @@ def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) 
     assert sout == "AFTER POPEN True\nRC 0 0\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
-    deadline = time.monotonic() + 5
-    while relays := _processes_with("passing-server-marker"):
-        assert time.monotonic() < deadline, f"relay processes left: {relays}"
-        time.sleep(0.05)
+    _relays_end("passing-server-marker")
 
 
 PICKLING_SERVER = r"""
@@ -822,8 +816,13 @@ def test_multiprocessing_pickles_a_connection_for_its_workers(nocfg: PrivateSmcd
     assert sout == "POOL AF_UNIX\nQUEUE 0\nSPAWN 0\n", (sout, serr)
     assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
     assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
+    _relays_end("pickling-server-marker")
+
+
+def _relays_end(marker: str) -> None:
+    """The relay processes (forks of the server whose code holds ``marker``) end within 5 s."""
     deadline = time.monotonic() + 5
-    while relays := _processes_with("pickling-server-marker"):
+    while relays := _processes_with(marker):
         assert time.monotonic() < deadline, f"relay processes left: {relays}"
         time.sleep(0.05)
 
