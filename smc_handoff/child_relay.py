@@ -1,39 +1,40 @@
-"""An SMC connection given to a child process as its stdin, stdout or stderr.
+"""An SMC connection given to another process: a child's standard streams, its ``pass_fds``,
+``SCM_RIGHTS``, or ``multiprocessing``'s pickling.
 
 inetd- and CGI-style servers run a program per connection with the connection as its standard
 streams (``subprocess.Popen(cmd, stdin=conn, stdout=conn)``). An SMC connection's ``fileno()``
-is its channel's eventfd, which a child cannot read or write as a stream: it read nothing and its
-output vanished. Under smc-run the child gets one end of an ``AF_UNIX`` stream socketpair
-instead, and a relay process moves the bytes between the other end and the channel, half-closes
-included:
+is its channel's eventfd, which another process cannot read or write as a stream: it read
+nothing and its output vanished. Under smc-run that process gets one end of an ``AF_UNIX``
+stream socketpair instead, and a relay process moves the bytes between the other end and the
+channel, half-closes included:
 
 - the relay is forked from the caller (the channel's mappings and positions live in the
   process, so only a fork can carry them on) and forks once more, so that it is nobody's child:
   the program never reaps it or sees its exit status;
 - it owns the connection from then on (the channel's fork ownership, claimed before the caller
-  goes on): the caller's copy only lets go when the caller closes it, as an inetd-style parent
-  closes its copy right after starting the child, and raises ``EBUSY`` if it uses it;
+  goes on): the caller's copy raises ``EBUSY`` if it uses it;
 - it keeps only that connection's descriptors (the channel's, the daemon's control connection,
   the TCP socket) and the socketpair end, runs none of the program's code (its signal handlers
-  are reset, it ends with ``os._exit``), and ends once the child has closed its end and the peer
-  its direction: a child that exits closes the connection as the kernel would close a socket
-  it held (EOF for the peer, or a reset when the child left received data unread).
+  are reset, it ends with ``os._exit``), and ends once every holder of the other end has closed
+  it and the peer its direction: a child that exits closes the connection as the kernel would
+  close a socket it held (EOF for the peer, or a reset when the child left received data
+  unread).
 
-``subprocess`` is one way to give a child the connection; a forked process that ``os.dup2()``s
-it onto its standard streams and ``exec``s (``http.server``'s CGI handler) is another, and
-``os.dup2`` of an SMC connection's ``fileno()`` puts a relay's socket there the same way. Two
-more ways hand another process the descriptor itself, and get a relay's socket in its place:
+One relay serves a connection however it is given and however often (:func:`shared_relay`),
+and the caller keeps its end until it closes the connection: the connection ends once the
+caller and every process it gave the connection to have closed it, as a TCP socket's does (an
+inetd-style parent closes its copy right after starting the child). The ways:
 
+- ``subprocess`` with the connection (or its ``fileno()``) as stdin, stdout or stderr;
+- a forked process that ``os.dup2()``s ``fileno()`` onto its standard streams and ``exec``s
+  (``http.server``'s CGI handler): ``os.dup2`` copies the relay's socket;
 - ``Popen(..., pass_fds=[conn.fileno()])``: the child finds the relay's socket at that very
   number (for the length of ``Popen``, the number is moved onto the socket and back; the
   caller's copy is the relay's by then, and uses no descriptor until it is closed);
 - ``SCM_RIGHTS`` (``socket.send_fds``, ``multiprocessing``'s handle passing, any ``sendmsg``
   with rights on a Unix socket) and pickling by ``multiprocessing`` (a ``Pool`` task's
-  argument, a ``Queue``, a spawned ``Process``'s arguments: it passes a socket's descriptor)
-  send the relay's socket (:func:`shared_relay`: one per connection, however often it is
-  sent, and a send that fails and is tried again sends the same). This process keeps its copy
-  until it closes the connection, so the connection ends when the receivers and this process
-  have closed it, as a TCP socket passed on does.
+  argument, a ``Queue``, a spawned ``Process``'s arguments: it passes a socket's descriptor);
+  a send that fails and is tried again sends the same relay.
 """
 
 from __future__ import annotations
@@ -215,23 +216,14 @@ def install(subprocess: Any) -> None:
     pass_fds_arg = init.__code__.co_varnames.index("pass_fds") - 1
 
     def smc_get_handles(self: Any, stdin: Any, stdout: Any, stderr: Any) -> Any:
-        relays: dict[int, int] = {}
-
         def swap(stream: Any) -> Any:
             sock = connection_of(stream)
-            if sock is None:
-                return stream
-            fd = relays.get(id(sock))
-            if fd is None:
-                fd = relays[id(sock)] = relay_fd(sock)
-                self.__dict__.setdefault("_smc_relay_fds", []).append(fd)
-            return fd
+            return stream if sock is None else shared_relay(sock)
 
         return get_handles(self, swap(stdin), swap(stdout), swap(stderr))
 
     @functools.wraps(init)
     def smc_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        self._smc_relay_fds = []
         moved: list[tuple[int, int]] = []  # (the pass_fds number, where its eventfd waits)
         try:
             pass_fds = kwargs.get("pass_fds", args[pass_fds_arg] if len(args) > pass_fds_arg
@@ -240,8 +232,7 @@ def install(subprocess: Any) -> None:
                 sock = connection_of(fd)
                 if sock is None:
                     continue
-                relay = relay_fd(sock)
-                self._smc_relay_fds.append(relay)
+                relay = shared_relay(sock)
                 moved.append((fd, os.dup(fd)))
                 _raw_dup2(relay, fd, inheritable=False)  # Popen makes pass_fds inheritable
             init(self, *args, **kwargs)
@@ -249,9 +240,6 @@ def install(subprocess: Any) -> None:
             for fd, saved in moved:  # the caller's number is its eventfd again
                 _raw_dup2(saved, fd, inheritable=False)
                 os.close(saved)
-            for fd in self.__dict__.get("_smc_relay_fds", ()):  # the child has its copy
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
     smc_get_handles._smc_relay = True  # type: ignore[attr-defined]
     popen._get_handles = smc_get_handles
@@ -288,15 +276,23 @@ _SCM_RIGHTS = (socket.SOL_SOCKET, socket.SCM_RIGHTS)
 
 
 def shared_relay(sock: SmcSocket) -> int:
-    """The relay socket sent in place of ``sock``'s connection to other processes: started at
-    the first send, then the same; closed with the connection's last close here
+    """The relay socket given in place of ``sock``'s connection to other processes, however
+    it is given (a child's stream, ``pass_fds``, ``os.dup2``, ``SCM_RIGHTS``, pickling):
+    started the first time, then the same; closed with the connection's last close here
     (:attr:`~smc_handoff.handoff.ChannelState.relay`)."""
     smc = sock._smc
     if smc is None:
         raise OSError(errno.EINVAL, "not an SMC connection")
     if smc.relay is None:
-        smc.relay = relay_fd(sock)
+        fd = relay_fd(sock)
+        smc.relay = fd
+        smc.relay_closer = weakref.finalize(smc, _close_quietly, fd)
     return smc.relay
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def relay_rights(ancdata: list[Any]) -> list[Any] | None:
@@ -323,19 +319,9 @@ def relay_rights(ancdata: list[Any]) -> list[Any] | None:
     return out if changed else None
 
 
-_dup2_relays: weakref.WeakKeyDictionary[SmcSocket, tuple[int, int]] = weakref.WeakKeyDictionary()
-"""Socket → (pid, relay descriptor) of the relays ``os.dup2`` started (in that process)."""
-
-
 def dup2_source(fd: int) -> int:
-    """What ``os.dup2(fd, ...)`` should copy under smc-run: a relay's socket when ``fd`` is an
-    SMC connection's ``fileno()`` (the fork-and-exec way to give a child the connection), one
-    relay per connection and process however many streams it becomes; else ``fd``."""
+    """What ``os.dup2(fd, ...)`` should copy under smc-run: the connection's
+    :func:`shared_relay` when ``fd`` is an SMC connection's ``fileno()`` (the fork-and-exec
+    way to give a child the connection); else ``fd``."""
     sock = connection_of(fd)
-    if sock is None:
-        return fd
-    pid = os.getpid()
-    known = _dup2_relays.get(sock)
-    if known is None or known[0] != pid:
-        known = _dup2_relays[sock] = (pid, relay_fd(sock))
-    return known[1]
+    return fd if sock is None else shared_relay(sock)

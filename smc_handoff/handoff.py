@@ -621,9 +621,11 @@ class ChannelState:
     resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
     holders: int = 1  # socket objects sharing this connection (dup()): the last close closes it
     relay: int | None = None
-    """The relay socket that stands in for the connection in processes it was sent to
-    (``child_relay.shared_relay``), kept open until the connection's last close here, as a
-    TCP socket passed on stays open while the sender holds its own copy."""
+    """The relay socket that stands in for the connection in the processes it was given to
+    (``child_relay.shared_relay``), kept open until the connection's last close here (or this
+    state's collection: ``relay_closer``), as a TCP socket passed on stays open while the
+    sender holds its own copy."""
+    relay_closer: Callable[[], object] | None = None
 
     RECHECK_S = 1.0
 

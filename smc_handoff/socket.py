@@ -703,9 +703,8 @@ class SmcSocket(_BaseSocket):
                 # work twice, so none is sent; the protocol still accepts one).
                 if smc.control is not None:
                     smc.control.close()
-                if smc.relay is not None:
-                    with contextlib.suppress(OSError):
-                        os.close(smc.relay)
+                if smc.relay_closer is not None:
+                    smc.relay_closer()
         _ss.close(self)
 
     def abort(self) -> None:

@@ -720,12 +720,13 @@ conn.close()
 conn, _ = lsock.accept()  # 2: multiprocessing's handle passing
 reduction.send_handle(pipe_parent, conn.fileno(), os.getpid())
 conn.close()
-conn, _ = lsock.accept()  # 3: a child started with the descriptor in pass_fds
+conn, _ = lsock.accept()  # 3: a child with the descriptor in pass_fds (and as its stderr)
 fd = conn.fileno()
-child = subprocess.Popen([sys.executable, "-c", ECHO, str(fd)], pass_fds=[fd])
+child = subprocess.Popen([sys.executable, "-c", ECHO, str(fd)], pass_fds=[fd], stderr=conn)
 print("AFTER POPEN", fd == conn.fileno() and is_eventfd(fd), flush=True)
+rc = child.wait()  # our copy holds the connection on meanwhile, as a TCP socket's would
 conn.close()
-print("RC", child.wait(), os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
+print("RC", rc, os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
 """
 
 PASSING_CLIENT = r"""
@@ -752,9 +753,10 @@ print("PASSING OK", flush=True)
 def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) -> None:
     """An accepted SMC connection passed on as TCP sockets are: with SCM_RIGHTS
     (``socket.send_fds``), with ``multiprocessing``'s handle passing, and in a child's
-    ``pass_fds``. The receiver used to get the channel's eventfd, useless as a socket; under
-    smc-run it gets a relay's socket (the pass_fds child at the very number it was given, which
-    is the parent's eventfd again once Popen returns), and 1 MB echoes intact both ways."""
+    ``pass_fds`` (and as its stderr: one relay serves both). The receiver used to get the
+    channel's eventfd, useless as a socket; under smc-run it gets a relay's socket (the pass_fds
+    child at the very number it was given, which is the parent's eventfd again once Popen
+    returns), and 1 MB echoes intact both ways."""
     client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT, 3)
     assert client.returncode == 0 and client.stdout == "PASSING OK\n", (client.stderr, serr)
     assert sout == "AFTER POPEN True\nRC 0 0\n", (sout, serr)
