@@ -261,9 +261,9 @@ def install_pickling(reduction: Any) -> None:
         return
 
     def reduce_socket(s: Any) -> Any:
-        smc = getattr(s, "_smc", None)
-        if not isinstance(s, SmcSocket) or smc is None or smc.channel.closed:
-            return original(s)
+        ch = s.channel if isinstance(s, SmcSocket) else None  # (a pending handoff settles)
+        if ch is None or ch.closed:
+            return original(s)  # TCP: its own descriptor
         return rebuild, (reduction.DupFd(shared_relay(s)), socket.AF_UNIX, socket.SOCK_STREAM, 0)
 
     reduce_socket._smc_relay = True  # type: ignore[attr-defined]

@@ -821,6 +821,39 @@ def test_multiprocessing_pickles_a_connection_for_its_workers(nocfg: PrivateSmcd
     _relays_end("pickling-server-marker")
 
 
+POOL_CLIENT = r"""
+import multiprocessing, os, socket, sys  # pool-client-marker
+def talk(sock):  # in a worker: 1 MB there and back, then EOF
+    data = os.urandom(1_000_000)
+    sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+    back = bytearray()
+    while chunk := sock.recv(1 << 20):
+        back += chunk
+    sock.close()
+    return back == data, sock.family.name
+if __name__ == "__main__":
+    pool = multiprocessing.Pool(1)
+    sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    print(pool.apply(talk, (sock,)), flush=True)  # before any use: the handoff is pending
+    sock.close()
+    pool.close()
+    pool.join()
+"""
+
+
+def test_a_client_pickles_its_connection_before_using_it(nocfg: PrivateSmcd) -> None:
+    """A client that connects and gives the socket to a Pool worker at once: smc-run's connect()
+    has not read smcd's answer yet, and pickling settles it first, so the worker gets the
+    relay's socket (it used to get the eventfd: ENOTSOCK) and 1 MB echoes intact."""
+    server_argv = _smc_run(_env(nocfg), SERVER, "127.0.0.1", 0, "echo")
+    client, server, _, serr = _serve_then_run(nocfg, server_argv, POOL_CLIENT)
+    assert client.returncode == 0 and client.stdout == "(True, 'AF_UNIX')\n", client.stderr
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
+    _relays_end("pool-client-marker")
+
+
 def _relays_end(marker: str) -> None:
     """The relay processes (forks of the server whose code holds ``marker``) end within 5 s."""
     deadline = time.monotonic() + 5
