@@ -186,7 +186,17 @@ def _after_fork() -> None:
         ch._fork_done()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+def _after_fork_in_child() -> None:
+    # Only the forking thread lives on here: a lock another thread held at the fork would stay
+    # held for good (a relay forked from a program with threads, a multiprocessing Pool's).
+    for ch in list(_live):
+        ch._new_locks()
+    _after_fork()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork_in_child
+)
 
 
 class ChannelBase:
@@ -361,6 +371,13 @@ class ChannelBase:
         if self._usable:
             self._epoch += 1
             self._rx_ctrl[C_OWNER] = self._epoch << 32 | _FORKED
+
+    def _new_locks(self) -> None:
+        """In a forked child: fresh locks, and no sleeper (the parent's threads are gone)."""
+        self._sleep_lock = threading.Lock()
+        self._hup_lock = threading.Lock()
+        self._level_lock = threading.Lock()
+        self._link_sleeper = self._efd_sleeper = False
 
     def _fork_done(self) -> None:
         """After ``fork()``, in both processes: fenced until claimed."""

@@ -156,6 +156,15 @@ SAFETY_NET_S = 0.001
 _fence_lock = threading.Lock()
 
 
+def _new_fence_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork."""
+    global _fence_lock
+    _fence_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fence_lock)
+
+
 def fence() -> None:
     """Full barrier on this CPU: an uncontended lock acquire/release is a lock-prefixed atomic
     read-modify-write (x86: ``lock cmpxchg``), which orders earlier stores before later loads."""

@@ -256,6 +256,16 @@ _watcher_instance: LinkWatcher | None = None
 _watcher_lock = threading.Lock()
 
 
+def _new_watcher_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork (the
+    parent's watcher stays behind: its pid is not ours)."""
+    global _watcher_lock
+    _watcher_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_watcher_lock)
+
+
 def link_watcher() -> LinkWatcher:
     global _watcher_instance
     with _watcher_lock:

@@ -494,6 +494,53 @@ def test_fork_the_copy_that_was_not_used_lets_go_quietly() -> None:
     b.close()
 
 
+def test_fork_while_another_thread_holds_the_channel_locks() -> None:
+    """A fork from a program with threads (a relay forked from a server with a Pool, say):
+    the channel's and the library's locks that another thread held at the fork are fresh in
+    the child, which sleeps, fences and enters level mode without deadlocking, and serves."""
+    import threading
+
+    from smc_handoff import layout, wakeup
+
+    fa, fb = make_pair(1 << 16, 1 << 16)
+    a, b = Channel.from_fds(fa), Channel.from_fds(fb)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with a._sleep_lock, a._level_lock, layout._fence_lock, wakeup._watcher_lock:
+            held.set()
+            done.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # a deadlock here ends in SIGALRM: a nonzero status
+        code = 1
+        try:
+            signal.alarm(10)
+            a.fileno()  # level mode: the link watcher of this process
+            buf = bytearray(100)
+            while not (n := a.recv_into(buf)):
+                a.wait_readable(5)  # nothing yet: spins, then sleeps (the sleep lock, a fence)
+            a.send_into(bytes(buf[:n]).upper())
+            a.close()
+            code = 0
+        finally:
+            os._exit(code)
+    done.set()
+    holder.join()
+    a.close()  # not used here since the fork: lets go
+    time.sleep(0.2)  # the child is asleep by now
+    assert b.send_into(b"locks") == 5
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    got = bytearray(100)
+    assert b.wait_readable(5)
+    n = b.recv_into(got)
+    assert bytes(got[:n]) == b"LOCKS"
+    b.close()
+
+
 def test_fork_a_stale_copy_raises_ebusy_instead_of_reading_old_data() -> None:
     fa, fb = make_pair(1 << 16, 1 << 16)
     a, b = Channel.from_fds(fa), Channel.from_fds(fb)
