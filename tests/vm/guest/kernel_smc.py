@@ -344,7 +344,12 @@ def capture(
     ifname: str, bpf: list[str], keep: Path, *, ready_timeout: float = 60.0
 ) -> Iterator[Path]:
     """tcpdump on ``ifname`` with filter ``bpf`` while the block runs; the pcap ends up at
-    ``keep`` (written to guest-local /tmp first: the shared 9p dir is too slow per packet)."""
+    ``keep`` (written to guest-local /tmp first: the shared 9p dir is too slow per packet).
+
+    The ring is 64 MiB: in immediate mode each slot holds the largest packet the NIC may
+    hand up (~64 KiB with its offloads), so 16 MiB held only ~256 packets, and a 300 KB echo
+    over SMC-R is ~600 RoCE packets that a tcpdump slowed by TCG drained too late (44 of 690
+    dropped once in CI)."""
     tcpdump = shutil.which("tcpdump")
     if tcpdump is None:
         raise KernelSmcError("tcpdump not found (host root): run tests/host/vm-deps.sh")
@@ -352,7 +357,7 @@ def capture(
     pcap, log = work / "capture.pcap", work / "tcpdump.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [tcpdump, "-i", ifname, "-n", "-U", "--immediate-mode", "-B", "16384", "-s", "0",
+            [tcpdump, "-i", ifname, "-n", "-U", "--immediate-mode", "-B", "65536", "-s", "0",
              "-w", str(pcap), *bpf],
             stdout=subprocess.DEVNULL, stderr=err,
         )  # fmt: skip
