@@ -84,6 +84,7 @@ from smc_handoff.layout import (
     W_PROD,
     WRAP_SHIFT,
     create_dmb,
+    fence,
     zero_dmb,
 )
 from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, spin
@@ -179,6 +180,7 @@ class Channel(ChannelBase):
             self._tx_hdr[W_PROD] = self._tx_wbits | pos << COUNT_SHIFT
             self._tx_pos = pos
             self._tx_run -= n
+            fence()  # our cursor is visible before we look for a request (see layout)
             wait = self._tx_ctrl[C_WAIT]  # the peer's "kick me" for data
             if wait & WANT_DATA and wait >> 8 != self._kicked_d:
                 self._kick_data(wait)
@@ -238,6 +240,7 @@ class Channel(ChannelBase):
         self._tx_pos = rest
         left -= n
         self._tx_run = left if left < L - rest else L - rest - 1
+        fence()
         wait = self._tx_ctrl[C_WAIT]
         if wait & WANT_DATA and wait >> 8 != self._kicked_d:
             self._kick_data(wait)
@@ -295,6 +298,7 @@ class Channel(ChannelBase):
             # After the first piece (wake a sleeping reader early) and after the last (the
             # wakeup rule: look for a request after the final cursor store, see layout).
             if done in (k, n):
+                fence()
                 wait = self._tx_ctrl[C_WAIT]
                 if wait & WANT_DATA and wait >> 8 != self._kicked_d:
                     self._kick_data(wait)
@@ -378,6 +382,7 @@ class Channel(ChannelBase):
                     if self._flag_bits != fb:  # a writer thread published flags meanwhile
                         txh[W_CONS] = word | self._flag_bits
                     self._rx_pos = pos
+                    fence()
                     wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
                     if (
                         wait & WANT_SPACE
@@ -446,6 +451,7 @@ class Channel(ChannelBase):
 
     def _kick_space_maybe(self, unread: int) -> None:
         """Wake a writer sleeping for space once at most ``_rx_wake_fill`` is left unread."""
+        fence()
         wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
         if wait & WANT_SPACE and wait >> 8 != self._kicked_s and unread <= self._rx_wake_fill:
             self._kick_space(wait)
@@ -551,6 +557,7 @@ class Channel(ChannelBase):
         if self._flag_bits != fb:
             txh[W_CONS] = word | self._flag_bits
         self._rx_pos = pos
+        fence()
         wait = self._tx_ctrl[C_WAIT_SPACE]
         if wait & WANT_SPACE and wait >> 8 != self._kicked_s and avail - n <= self._rx_wake_fill:
             self._kick_space(wait)

@@ -738,6 +738,7 @@ class ChannelBase:
             self._kicked_s = wait >> 8
 
     def _kick_if_waiting(self) -> None:
+        layout.fence()  # what we stored (flags, cursors) is visible before we look for requests
         ctrl = self._tx_ctrl
         wait = ctrl[C_WAIT]
         if wait & WANT_DATA and wait >> 8 != self._kicked_d:

@@ -54,20 +54,23 @@ huge copies ends with ``sfence``. Weakly ordered CPUs (aarch64, ppc64le, riscv) 
 barriers that pure Python cannot issue cheaply, so :data:`ORDERING_OK` is False there and the
 channel refuses to start (the caller falls back to TCP).
 
-The wakeup race (Dekker) and why it is bounded
-----------------------------------------------
+The wakeup race (Dekker) and why both sides fence
+-------------------------------------------------
 A sleeper does ``store WAIT; load cursor`` and a publisher ``store cursor; load WAIT``. TSO lets
 each load pass the store before it (store buffer), so both could miss the other: the sleeper
-sleeps on data the publisher never announced. The sleeper's side is closed with a full barrier
-(:func:`fence`: a lock-prefixed atomic, here the uncontended acquire/release of a
-``threading.Lock``: no system call). The publisher's hot path stays barrier-free, so its
-cursor store may still sit in its store buffer while its load of WAIT sees "not waiting"; a
-store buffer drains within nanoseconds, so the sleeper's first nap after publishing a new WAIT
-is only ``SAFETY_NET_S`` (1 ms): a lost wakeup costs at most that, and the channel counts such
-catches (``missed_wakeups`` in its stats). Later naps of the same wait are long (nothing new can
-race). ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would close the window completely, but it
-IPIs the peer's CPU on every sleep, which is slow on an overcommitted VM and made latency worse,
-so it is not used.
+sleeps on data the publisher never announced. Both sides close it with a full barrier between
+their store and their load (:func:`fence`: a lock-prefixed atomic, here the uncontended
+acquire/release of a ``threading.Lock``, ~0.1 us, no system call): the sleeper after it
+publishes WAIT, the publisher after every cursor or flags store that it follows with a look
+for a request. The window is not only nanoseconds: the publisher's cursor word sits on a line
+the peer keeps reading, so its store waits for the line (a cross-core miss, ~100 ns) while the
+interpreter runs on and loads WAIT from a line it still holds. A blocking sleeper would catch
+such a loss at its first nap (``SAFETY_NET_S``, 1 ms, counted as ``missed_wakeups`` in the
+channel's stats; it stays as a net), but an event loop's transport sleeps in ``epoll`` with no
+timer: with a barrier-free publisher it once waited 10 s for a request that was in its ring
+(until the peer hung up). ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would spare the
+publisher its barrier, but it IPIs the peer's CPU on every sleep, which is slow on an
+overcommitted VM and made latency worse, so it is not used.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import sys
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from smc_handoff import channel as channel_module
+from smc_handoff import layout
 from smc_handoff.channel import Channel, make_pair
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,3 +169,61 @@ def test_reader_and_writer_threads_share_a_channel(rnd: int) -> None:
     object or a swallowed kick would cost a one-second nap (or raise ``concurrent poll()``)."""
     elapsed = _duplex(16 << 10, 2 << 20, 5_003 + rnd)
     assert elapsed < 8, f"{elapsed:.1f} s: wakeups were lost"
+
+
+# ------------------------------------------- a request that lands as the publisher looks
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+DATA_PATHS = {
+    "send_fast": lambda a, b: a.send_into(b"x"),
+    "long write": lambda a, b: a.send_into(bytes(100_000)),
+    "shutdown": lambda a, b: a.shutdown_write(),
+}
+SPACE_PATHS = {
+    "recv_fast": lambda a, b: b.recv_into(bytearray(1000)),
+    "large read": lambda a, b: b.recv_into(bytearray(200_000)),
+    "recv_bytes": lambda a, b: b.recv_bytes(1000),
+}
+
+
+@pytest.mark.parametrize("path", [*DATA_PATHS, *SPACE_PATHS])
+def test_a_request_stored_as_the_publisher_looks_is_kicked(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Dekker race of ``smc_handoff.layout``, publisher side: the peer's "kick me" may land
+    after our cursor (or flags) store and before our load of it, and the peer's own look at
+    the cursor may miss our store (TSO: it may still sit in our store buffer). Only a barrier
+    between our store and our load makes our load see the request then; an event loop's
+    transport sleeps in epoll with no safety net, so a miss there waited for good. The peer's
+    request is stored here at our barrier, exactly where the race puts it: the kick must come."""
+    a, b = pair(256 << 10)
+    try:
+        space = path in SPACE_PATHS
+        if space:  # b has data to free room with, and a will wait for room
+            assert a.send_into(bytes(100_000)) == 100_000
+            b.drain_kicks(link=False)
+            asker, waiter = a, a._ws
+        else:
+            asker, waiter = b, b._wd
+        real = layout.fence
+        landed: list[int] = []
+
+        def racing_fence() -> None:
+            real()
+            if not landed:
+                landed.append(1)
+                asker._arm(waiter, False, fresh=True)  # the peer's store, without its look
+
+        monkeypatch.setattr(channel_module, "fence", racing_fence, raising=False)
+        monkeypatch.setattr(layout, "fence", racing_fence)
+        assert not _readable(asker.event_fd())
+        (SPACE_PATHS if space else DATA_PATHS)[path](a, b)
+        assert landed, "the publisher looked for a request without a barrier before it"
+        assert _readable(asker.event_fd()), "the request stored at the barrier got no kick"
+    finally:
+        a.close()
+        b.close()
