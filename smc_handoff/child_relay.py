@@ -310,7 +310,7 @@ def relay_rights(ancdata: list[Any]) -> list[Any] | None:
         fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
         swapped = False
         for i, fd in enumerate(fds):
-            sock = connection_of(fd) if is_eventfd(fd) else None
+            sock = connection_of(fd)  # (an eventfd of ours, else None at once)
             if sock is not None:
                 fds[i] = shared_relay(sock)
                 swapped = True

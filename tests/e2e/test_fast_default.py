@@ -694,7 +694,7 @@ import multiprocessing, os, socket, subprocess, sys  # passing-server-marker
 from multiprocessing import reduction
 def is_eventfd(fd):
     return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
-ECHO = ("import hashlib, socket, sys\n"
+ECHO = ("import socket, sys\n"
         "s = socket.socket(fileno=int(sys.argv[1]))\n"
         "while d := s.recv(65536):\n"
         "    s.sendall(d)\n"
