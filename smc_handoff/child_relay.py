@@ -74,7 +74,8 @@ _CHUNK = 1 << 16
 
 def connection_of(obj: Any) -> SmcSocket | None:
     """The SMC connection ``obj`` stands for, as ``Popen`` takes a stream: an
-    :class:`SmcSocket` on SMC, or the descriptor number its ``fileno()`` returned; else None."""
+    :class:`SmcSocket` on SMC, or the descriptor number its ``fileno()`` returned (or a copy
+    of that descriptor, ``os.dup``); else None."""
     if isinstance(obj, SmcSocket):
         return obj if obj.channel is not None else None
     if not isinstance(obj, int) or isinstance(obj, bool) or obj < 0:
@@ -83,11 +84,34 @@ def connection_of(obj: Any) -> SmcSocket | None:
         return None
     # Rare (an eventfd given as a child's stream): look through the live sockets rather than
     # keep an index on every handoff's path.
+    live = []
     for o in gc.get_objects():
         if isinstance(o, SmcSocket):
             smc = getattr(o, "_smc", None)  # (None in one whose construction failed)
-            if smc is not None and not smc.channel.closed and smc.channel.event_fd() == obj:
+            if smc is not None and not smc.channel.closed:
+                if smc.channel.event_fd() == obj:
+                    return o
+                live.append((o, smc.channel.event_fd()))
+    # Another number for the same eventfd (``os.dup(sock.fileno())``): the kernel's id of it.
+    ident = _eventfd_id(obj)
+    if ident is not None:
+        for o, fd in live:
+            if _eventfd_id(fd) == ident:
                 return o
+    return None
+
+
+def _eventfd_id(fd: int) -> bytes | None:
+    """The kernel's id of the eventfd behind ``fd``, the same for every copy of it (the
+    ``eventfd-id`` of ``/proc/self/fdinfo``, Linux 5.19 on; None before, or on error)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            info = f.read()
+    except OSError:
+        return None
+    for line in info.splitlines():
+        if line.startswith(b"eventfd-id:"):
+            return line[11:].strip()
     return None
 
 

@@ -1057,3 +1057,24 @@ def test_dup_holds_the_connection_until_the_last_close(daemon: MiniDaemon) -> No
     assert b.recv(1) == b""
     daemon.wait_hangups(1)
     b.close()
+
+
+def test_a_copy_of_the_fileno_stands_for_the_connection(daemon: MiniDaemon) -> None:
+    """``os.dup(sock.fileno())`` is the same eventfd under another number: smc-run's
+    ``pass_fds``, ``SCM_RIGHTS``, ``os.dup2`` and child streams give its relay for it too
+    (matched by the kernel's eventfd id), while another eventfd is no connection."""
+    from smc_handoff import child_relay
+
+    a, b = wrapped_pair()
+    copy = os.dup(b.fileno())
+    other = os.eventfd(0)
+    try:
+        assert child_relay.connection_of(b.fileno()) is b
+        assert child_relay.connection_of(copy) is b
+        assert child_relay.connection_of(other) is None
+        assert child_relay.dup2_source(copy) == child_relay.shared_relay(b) != copy
+    finally:
+        os.close(copy)
+        os.close(other)
+        a.close()
+        b.close()
