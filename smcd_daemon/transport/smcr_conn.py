@@ -15,7 +15,9 @@ object. What the channel expects of a peer, the daemon does:
   whenever it publishes data or flags (``WAIT``) and when it consumes (``WAIT_SPACE``). The
   store-then-load race of that handshake (see :mod:`smc_handoff.layout`) is closed the way the
   channel closes it: a fence after arming and a second look 1 ms later; a slow sweep of every
-  connection backs that up.
+  connection backs that up. Toward the application we are the publisher: a fence between the
+  header's stores and the look at its WAIT words, as the channel's own publisher does (an
+  application's event loop sleeps on its kick with no timer).
 * **Liveness.** The daemon keeps the other end of the application's peer link: the application's
   death is a hang-up here (for the remote end the close its exit makes in the kernel: closed,
   or an abort when it left received data unread; see ``ConnRelay.app_died``), and the daemon's
@@ -219,6 +221,7 @@ class SmcrConnection:
         hdr[W_CONS] = cons_word(
             view.cons.wrap, view.cons.count, view.prod_flags & 0xFF, view.conn_state_flags & 0xFF
         )
+        fence()  # the header is visible before we look for a request (layout: the Dekker race)
         self._kick_app()
 
     def _kick_app(self) -> None:

@@ -283,3 +283,44 @@ def test_rmb_advertised_region_is_exactly_the_kernel_rmbe(size: int) -> None:
     pool.release(buf)
     pool.close()
     assert pool.bytes == 0
+
+
+def test_the_daemon_looks_for_the_applications_request_after_a_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Toward the application the daemon is the publisher (the Dekker race of
+    ``smc_handoff.layout``): the application's "kick me" may land after the daemon's header
+    stores and before its load of it, while the application's own look misses the stores. The
+    request is stored here at the daemon's barrier in ``publish``, exactly where the race puts
+    it: the application's eventfd must be kicked (an event loop sleeps on it with no timer)."""
+    import select
+    import sys
+
+    from smcd_daemon.transport import smcr_conn
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        _pool, _reg, _links, conns, _finished = make_pair(loop, 16384)
+        fds = {k: c.take_app_fds() for k, c in conns.items()}
+        for c in conns.values():
+            c.start(loop)
+        ca, cb = Channel.from_fds(fds["a"]), Channel.from_fds(fds["b"])
+        landed: list[int] = []
+        real = layout.fence
+
+        def racing_fence() -> None:
+            real()
+            if not landed and sys._getframe(1).f_code.co_name == "publish":
+                landed.append(1)
+                cb._arm(cb._wd, False, fresh=True)  # the application's store, not its look
+
+        monkeypatch.setattr(smcr_conn, "fence", racing_fence)
+        assert ca.send_into(b"x") == 1
+        await until(lambda: cb.rx_pending, "the byte reaches B's ring")
+        assert landed, "the daemon looked for the application's request without a barrier"
+        assert select.select([cb.event_fd()], [], [], 0)[0], "the request got no kick"
+        assert cb.recv_bytes(10) == b"x"
+        for ch in (ca, cb):
+            ch.close()
+
+    asyncio.run(body())
