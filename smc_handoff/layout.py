@@ -154,7 +154,8 @@ _TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "s390x"}
 #: True where plain stores/loads give the ordering the ring relies on (see module docstring).
 ORDERING_OK = platform.machine().lower() in _TSO_MACHINES
 
-#: The sleeper's first nap after publishing WAIT (bounds the Dekker race, see above).
+#: The sleeper's first nap after publishing WAIT: a net under the Dekker race, which both sides
+#: fence (see above); it counts what it catches (``missed_wakeups``).
 SAFETY_NET_S = 0.001
 _fence_lock = threading.Lock()
 

@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = [
     "POLICY_TABLE",
     "PORTS",
+    "RESERVED_PORTS",
     "Port",
     "TopologyError",
     "configure",
@@ -34,6 +35,9 @@ __all__ = [
 
 #: Routing table holding the "leave through the wire" routes for locally generated packets.
 POLICY_TABLE = 100
+RESERVED_PORTS = "47300-47499"
+"""Local ports no connection draws as its ephemeral port: the fixed listener ports of the guest
+tests and ``bench/smcr_vm.py`` (47311-47401) are in this block."""
 SYSFS_NET = Path("/sys/class/net")
 SYSFS_IB = Path("/sys/class/infiniband")
 
@@ -189,6 +193,10 @@ def configure(ports: tuple[Port, ...] = PORTS, *, settle_timeout: float = 30.0) 
     # Each process start costs seconds under TCG with the root on 9p: one `ip -batch` and one
     # `rdma -batch` instead of a command per step.
     _run("modprobe", "rdma_rxe")
+    # The guest tests' listeners use fixed ports (47311-47401) inside the ephemeral range: an
+    # earlier test's client socket that drew one as its local port made a later listener's
+    # bind fail with EADDRINUSE (a CI run). No ephemeral port is taken from that block now.
+    _sysctl("net.ipv4.ip_local_reserved_ports", RESERVED_PORTS)
     for key in ("all", "default"):
         _sysctl(f"net.ipv4.conf.{key}.rp_filter", "0")
         _sysctl(f"net.ipv4.conf.{key}.accept_local", "1")
