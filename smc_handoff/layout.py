@@ -59,18 +59,18 @@ The wakeup race (Dekker) and why both sides fence
 A sleeper does ``store WAIT; load cursor`` and a publisher ``store cursor; load WAIT``. TSO lets
 each load pass the store before it (store buffer), so both could miss the other: the sleeper
 sleeps on data the publisher never announced. Both sides close it with a full barrier between
-their store and their load (:func:`fence`: a lock-prefixed atomic, here the uncontended
-acquire/release of a ``threading.Lock``, ~0.1 us, no system call): the sleeper after it
-publishes WAIT, the publisher after every cursor or flags store that it follows with a look
-for a request. The window is not only nanoseconds: the publisher's cursor word sits on a line
-the peer keeps reading, so its store waits for the line (a cross-core miss, ~100 ns) while the
-interpreter runs on and loads WAIT from a line it still holds. A blocking sleeper would catch
-such a loss at its first nap (``SAFETY_NET_S``, 1 ms, counted as ``missed_wakeups`` in the
-channel's stats; it stays as a net), but an event loop's transport sleeps in ``epoll`` with no
-timer: with a barrier-free publisher it once waited 10 s for a request that was in its ring
-(until the peer hung up). ``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would spare the
-publisher its barrier, but it IPIs the peer's CPU on every sleep, which is slow on an
-overcommitted VM and made latency worse, so it is not used.
+their store and their load (:func:`fence`: a lock-prefixed atomic, here the acquire of a fresh
+lock, ~0.1 us, no system call): the sleeper after it publishes WAIT, the publisher after every
+cursor or flags store that it follows with a look for a request. The window is not only
+nanoseconds: the publisher's cursor word sits on a line the peer keeps reading, so its store
+waits for the line (a cross-core miss, ~100 ns) while the interpreter runs on and loads WAIT
+from a line it still holds. A blocking sleeper would catch such a loss at its first nap
+(``SAFETY_NET_S``, 1 ms, counted as ``missed_wakeups`` in the channel's stats; it stays as a
+net), but an event loop's transport sleeps in ``epoll`` with no timer: with a barrier-free
+publisher it once waited 10 s for a request that was in its ring (until the peer hung up).
+``membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`` would spare the publisher its barrier, but it
+IPIs the peer's CPU on every sleep, which is slow on an overcommitted VM and made latency worse,
+so it is not used.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ import mmap
 import os
 import platform
 import sys
-import threading
+from _thread import allocate_lock as _new_lock
 
 __all__ = [
     "CDC_HEADER_LEN",
@@ -157,23 +157,18 @@ ORDERING_OK = platform.machine().lower() in _TSO_MACHINES
 #: The sleeper's first nap after publishing WAIT: a net under the Dekker race, which both sides
 #: fence (see above); it counts what it catches (``missed_wakeups``).
 SAFETY_NET_S = 0.001
-_fence_lock = threading.Lock()
-
-
-def _new_fence_lock() -> None:
-    """In a forked child: a thread of the parent may have held the lock at the fork."""
-    global _fence_lock
-    _fence_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_fence_lock)
 
 
 def fence() -> None:
-    """Full barrier on this CPU: an uncontended lock acquire/release is a lock-prefixed atomic
-    read-modify-write (x86: ``lock cmpxchg``), which orders earlier stores before later loads."""
-    _fence_lock.acquire()
-    _fence_lock.release()
+    """Full barrier on this CPU: acquiring a lock is a lock-prefixed atomic read-modify-write
+    (x86: ``lock cmpxchg`` in ``sem_trywait``), which orders earlier stores before later loads.
+
+    A fresh lock each time, never a shared one: the interpreter runs signal handlers right
+    after a C call returns, so Ctrl-C (``KeyboardInterrupt``) between a shared lock's acquire
+    and its release left it held for good, and the program's next fence (a ``close()`` in a
+    ``finally``) deadlocked. A fresh lock also has nothing for threads to contend for and
+    nothing to renew after a fork."""
+    _new_lock().acquire()
 
 
 def check_dmb_size(size: int) -> None:

@@ -7,6 +7,7 @@ import mmap
 import os
 import random
 import select
+import signal
 import socket
 import sys
 import time
@@ -400,3 +401,46 @@ def test_poll_objects_are_built_only_when_a_wait_sleeps() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_an_exception_from_a_signal_handler_never_leaves_a_fence_held() -> None:
+    """The interpreter runs signal handlers right after a C call returns, so Ctrl-C lands
+    inside ``layout.fence()`` as often as anywhere: between a shared lock's acquire and its
+    release about half the time, which left the lock held and made the program's next fence
+    (a ``close()`` in a ``finally``, every send since both sides fence) block for good."""
+
+    class Interrupted(Exception):
+        pass
+
+    class Stuck(Exception):
+        pass
+
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise Interrupted
+
+    def stuck(_sig: int, _frame: object) -> None:
+        raise Stuck
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        interrupted = 0
+        for _ in range(100):
+            signal.setitimer(signal.ITIMER_REAL, 0.0002)
+            try:
+                for _ in range(200_000):
+                    layout.fence()
+            except Interrupted:
+                interrupted += 1
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        assert interrupted >= 90
+        signal.signal(signal.SIGALRM, stuck)
+        signal.alarm(3)  # a fence left held blocks here; the alarm interrupts its acquire
+        try:
+            layout.fence()
+        except Stuck:
+            pytest.fail("a fence interrupted by a signal handler's exception stayed held")
+        finally:
+            signal.alarm(0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
