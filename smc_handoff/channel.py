@@ -85,6 +85,8 @@ from smc_handoff.layout import (
     WRAP_SHIFT,
     create_dmb,
     fence,
+    fence_end,
+    fence_try,
     zero_dmb,
 )
 from smc_handoff.wakeup import WANT_DATA, WANT_LINK, WANT_SPACE, spin
@@ -180,7 +182,11 @@ class Channel(ChannelBase):
             self._tx_hdr[W_PROD] = self._tx_wbits | pos << COUNT_SHIFT
             self._tx_pos = pos
             self._tx_run -= n
-            fence()  # our cursor is visible before we look for a request (see layout)
+            # Our cursor is visible before we look for a request (layout.fence, inline).
+            if fence_try(False):
+                fence_end()
+            else:
+                fence()
             wait = self._tx_ctrl[C_WAIT]  # the peer's "kick me" for data
             if wait & WANT_DATA and wait >> 8 != self._kicked_d:
                 self._kick_data(wait)
@@ -382,7 +388,10 @@ class Channel(ChannelBase):
                     if self._flag_bits != fb:  # a writer thread published flags meanwhile
                         txh[W_CONS] = word | self._flag_bits
                     self._rx_pos = pos
-                    fence()
+                    if fence_try(False):  # layout.fence, inline
+                        fence_end()
+                    else:
+                        fence()
                     wait = self._tx_ctrl[C_WAIT_SPACE]  # the peer's "kick me" for space
                     if (
                         wait & WANT_SPACE

@@ -405,9 +405,10 @@ def test_poll_objects_are_built_only_when_a_wait_sleeps() -> None:
 
 def test_an_exception_from_a_signal_handler_never_leaves_a_fence_held() -> None:
     """The interpreter runs signal handlers right after a C call returns, so Ctrl-C lands
-    inside ``layout.fence()`` as often as anywhere: between a shared lock's acquire and its
-    release about half the time, which left the lock held and made the program's next fence
-    (a ``close()`` in a ``finally``, every send since both sides fence) block for good."""
+    inside ``layout.fence()`` as often as anywhere: between the shared lock's acquire and its
+    release about half the time, which leaves the lock held. A fence that then waited for it
+    (a ``close()`` in a ``finally``, every send since both sides fence) blocked for good; it
+    must take its other barrier instead."""
 
     class Interrupted(Exception):
         pass
@@ -433,14 +434,19 @@ def test_an_exception_from_a_signal_handler_never_leaves_a_fence_held() -> None:
                 interrupted += 1
             signal.setitimer(signal.ITIMER_REAL, 0)
         assert interrupted >= 90
+        # About half of those left the shared lock held; make sure it is, as they leave it.
+        layout._fence_lock.acquire(False)
+        assert layout._fence_lock.locked()
         signal.signal(signal.SIGALRM, stuck)
-        signal.alarm(3)  # a fence left held blocks here; the alarm interrupts its acquire
+        signal.alarm(3)  # a fence that waits for the held lock blocks here; the alarm ends it
         try:
             layout.fence()
         except Stuck:
-            pytest.fail("a fence interrupted by a signal handler's exception stayed held")
+            pytest.fail("a fence waited for a lock a signal handler's exception left held")
         finally:
             signal.alarm(0)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if layout._fence_lock.locked():  # (no other thread here: the next tests get it free)
+            layout._fence_lock.release()

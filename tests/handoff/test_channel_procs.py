@@ -500,14 +500,14 @@ def test_fork_while_another_thread_holds_the_channel_locks() -> None:
     the child, which sleeps, fences and enters level mode without deadlocking, and serves."""
     import threading
 
-    from smc_handoff import wakeup
+    from smc_handoff import layout, wakeup
 
     fa, fb = make_pair(1 << 16, 1 << 16)
     a, b = Channel.from_fds(fa), Channel.from_fds(fb)
     held, done = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with a._sleep_lock, a._level_lock, wakeup._watcher_lock:
+        with a._sleep_lock, a._level_lock, layout._fence_lock, wakeup._watcher_lock:
             held.set()
             done.wait()
 

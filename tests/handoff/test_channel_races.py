@@ -209,17 +209,21 @@ def test_a_request_stored_as_the_publisher_looks_is_kicked(
             asker, waiter = a, a._ws
         else:
             asker, waiter = b, b._wd
-        real = layout.fence
         landed: list[int] = []
 
-        def racing_fence() -> None:
-            real()
-            if not landed:
-                landed.append(1)
-                asker._arm(waiter, False, fresh=True)  # the peer's store, without its look
+        def racing(real: Callable[[], Any]) -> Callable[[], None]:
+            def barrier() -> None:
+                real()
+                if not landed:
+                    landed.append(1)
+                    asker._arm(waiter, False, fresh=True)  # the peer's store, without its look
 
-        monkeypatch.setattr(channel_module, "fence", racing_fence, raising=False)
-        monkeypatch.setattr(layout, "fence", racing_fence)
+            return barrier
+
+        # The barrier is layout.fence, or inline its lock's try and release (fence_end).
+        monkeypatch.setattr(channel_module, "fence", racing(layout.fence), raising=False)
+        monkeypatch.setattr(channel_module, "fence_end", racing(layout.fence_end), raising=False)
+        monkeypatch.setattr(layout, "fence", racing(layout.fence))
         assert not _readable(asker.event_fd())
         (SPACE_PATHS if space else DATA_PATHS)[path](a, b)
         assert landed, "the publisher looked for a request without a barrier before it"
