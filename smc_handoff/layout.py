@@ -59,8 +59,8 @@ The wakeup race (Dekker) and why both sides fence
 A sleeper does ``store WAIT; load cursor`` and a publisher ``store cursor; load WAIT``. TSO lets
 each load pass the store before it (store buffer), so both could miss the other: the sleeper
 sleeps on data the publisher never announced. Both sides close it with a full barrier between
-their store and their load (:func:`fence`: a lock-prefixed atomic, here the acquire of a fresh
-lock, ~0.1 us, no system call): the sleeper after it publishes WAIT, the publisher after every
+their store and their load (:func:`fence`: a lock-prefixed atomic, a lock's acquire, ~0.1 us,
+no system call): the sleeper after it publishes WAIT, the publisher after every
 cursor or flags store that it follows with a look for a request. The window is not only
 nanoseconds: the publisher's cursor word sits on a line the peer keeps reading, so its store
 waits for the line (a cross-core miss, ~100 ns) while the interpreter runs on and loads WAIT
