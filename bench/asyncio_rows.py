@@ -41,6 +41,11 @@ HERE = Path(__file__).resolve().parent
 APP = HERE / "asyncio_app.py"
 KINDS = ("tcp", "smc")
 TIMEOUT = 300.0
+"""Seconds one program of a full run may take; ``--quick`` gives each :data:`QUICK_TIMEOUT`."""
+QUICK_TIMEOUT = 60.0
+"""Far above a quick program's few seconds and well inside the 300 s its test allows the whole
+run: a program that hangs becomes a note with both programs' stacks (see :meth:`_Proc.dump`),
+not a test timeout that says nothing."""
 CONFIG = '[eid]\nueids = ["SMCD-BENCH"]\n'
 """Same-host SMC-D needs a UEID both ends share (no-configuration acceleration is issue 10)."""
 
@@ -58,6 +63,7 @@ class AsyncioPlan:
     repeats: int
     rr_size: int = 1 << 10
     http_size: int = 64 << 10
+    timeout: float = TIMEOUT
 
 
 ASYNCIO_FULL = AsyncioPlan(
@@ -77,6 +83,7 @@ ASYNCIO_QUICK = AsyncioPlan(
     http_requests=40,
     http_warmup=5,
     repeats=1,
+    timeout=QUICK_TIMEOUT,
 )
 
 
@@ -114,8 +121,12 @@ def _smc_run() -> list[str]:
 class _Proc:
     """One program run: stdout line by line, stderr in a file (smc-run -v's lines)."""
 
-    def __init__(self, kind: str, env: dict[str, str], argv: list[str]) -> None:
+    def __init__(
+        self, kind: str, env: dict[str, str], argv: list[str], timeout: float = TIMEOUT
+    ) -> None:
         cmd = [*_smc_run(), "-v", *argv] if kind == "smc" else argv
+        self.timeout = timeout
+        env = {**env, "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
         self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
         self.what = " ".join(argv[-6:])
         self.proc = subprocess.Popen(
@@ -149,12 +160,20 @@ class _Proc:
 
     def result(self) -> dict[str, float]:
         try:
-            out, _ = self.proc.communicate(timeout=TIMEOUT)
+            out, _ = self.proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{self.what}: no result within {TIMEOUT:.0f} s") from None
+            raise _Hung(f"{self.what}: no result within {self.timeout:.0f} s") from None
         if self.proc.returncode != 0:
             raise RuntimeError(f"{self.what}: exit {self.proc.returncode}: {self.stderr()[-600:]}")
         return dict(json.loads(out.strip().splitlines()[-1]))
+
+    def dump(self) -> None:
+        """A hung program: SIGABRT, so faulthandler writes its threads' stacks to stderr."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
 
     def stop(self) -> str:
         with contextlib.suppress(ProcessLookupError):
@@ -165,6 +184,10 @@ class _Proc:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return err
+
+
+class _Hung(RuntimeError):
+    """A program gave no result in time (its stacks are added to the note)."""
 
 
 def _free_port() -> int:
@@ -199,8 +222,9 @@ class AsyncioRows:
     def _pair(
         self, key: str, kind: str, server: list[str], client: list[str], uvicorn: bool = False
     ) -> dict[str, float]:
-        srv = _Proc(kind, self.env, server)
+        srv = _Proc(kind, self.env, server, self.plan.timeout)
         cli = None
+        hung: _Hung | None = None
         try:
             if uvicorn:
                 srv.wait_stderr(r"Application startup complete|Uvicorn running")
@@ -210,21 +234,39 @@ class AsyncioRows:
                 if not first.startswith("PORT "):
                     raise RuntimeError(f"{srv.what}: said {first!r}, not PORT n")
                 port = first.split()[1]
-            cli = _Proc(kind, self.env, [*client[:2], client[2], port, *client[3:]])
+            cli = _Proc(
+                kind, self.env, [*client[:2], client[2], port, *client[3:]], self.plan.timeout
+            )
             out = cli.result()
+        except _Hung as e:
+            hung = e
+            for proc in (cli, srv):
+                if proc is not None:
+                    proc.dump()
+            raise
         finally:
             cli_err = cli.stop() if cli is not None else ""
             srv_err = srv.stop()
+            if hung is not None:
+                hung.args = (f"{hung.args[0]}; client stderr: {cli_err[-3000:]!r}; "
+                             f"server stderr: {srv_err[-3000:]!r}",)  # fmt: skip
         self._note_modes(key, kind, srv_err, cli_err)
         return out
 
     def _single(self, key: str, kind: str, argv: list[str]) -> dict[str, float]:
         """One program that is both ends (``rr-self``, ``rr-mem``)."""
-        proc = _Proc(kind, self.env, argv)
+        proc = _Proc(kind, self.env, argv, self.plan.timeout)
+        hung: _Hung | None = None
         try:
             out = proc.result()
+        except _Hung as e:
+            hung = e
+            proc.dump()
+            raise
         finally:
             err = proc.stop()
+            if hung is not None:
+                hung.args = (f"{hung.args[0]}; stderr: {err[-3000:]!r}",)
         self._note_modes(key, kind, err)
         return out
 

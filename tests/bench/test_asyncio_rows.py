@@ -51,3 +51,28 @@ def test_quick_asyncio_rows_are_complete() -> None:
     assert bound and float(bound.group(1).replace(",", "")) > 0, out
     share = re.search(r"^HTTP p50 outside the transport\s+%\s+(\d+)\s+(\d+)", out, flags=re.M)
     assert share and all(0 <= int(s) <= 100 for s in share.groups()), out
+
+
+def test_a_program_that_hangs_becomes_a_note_with_its_stacks() -> None:
+    """A quick run's program gets far less time than the test gives the whole run, and a hang
+    reports where each thread of the hung program stood (a timeout of the test said nothing)."""
+    sys.path.insert(0, os.fspath(ROWS.parent))
+    try:
+        import asyncio_rows as rows
+    finally:
+        sys.path.remove(os.fspath(ROWS.parent))
+    assert rows.ASYNCIO_QUICK.timeout < 300 / 4
+    sleeper = "import time\ndef parked_here():\n    time.sleep(60)\nparked_here()\n"
+    proc = rows._Proc("tcp", dict(os.environ), [sys.executable, "-c", sleeper], timeout=1.0)
+    try:
+        try:
+            proc.result()
+        except rows._Hung as e:
+            hung = e
+        else:
+            raise AssertionError("a sleeping program gave a result")
+        proc.dump()
+    finally:
+        err = proc.stop()
+    assert "no result within 1 s" in str(hung)
+    assert "parked_here" in err and "Fatal Python error: Aborted" in err, err
