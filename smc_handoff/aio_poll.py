@@ -127,10 +127,12 @@ def learn(w: Waiter, missed_ns: int) -> None:
 class BusyPollSelector(selectors.BaseSelector):
     """asyncio's own selector, with the busy poll of the module docstring before it blocks.
 
-    ``spins``/``hits``/``looks``/``arms``/``events_first`` count what it did (for tests and
-    the bench): spins before a blocking select, transports whose data came during a spin or a
-    look, looks (one per select while transports wait), transports it armed, and the times the
-    loop would have blocked but events were there already (no spin then)."""
+    ``spins``/``hits``/``looks``/``arms``/``events_first``/``skips`` count what it did (for
+    tests and the bench): spins before a blocking select, transports whose data came during a
+    spin or a look, looks (one per select while transports wait), transports it armed, the
+    times the loop would have blocked but events were there already (no spin then), and the
+    waits that armed at once, without a spin, by the rules against starving anyone (the
+    back-off, a peer on our CPU: :meth:`bypass`)."""
 
     def __init__(self, selector: selectors.BaseSelector) -> None:
         self.selector = selector
@@ -141,6 +143,7 @@ class BusyPollSelector(selectors.BaseSelector):
         self.looks = 0
         self.arms = 0
         self.events_first = 0
+        self.skips = 0
         self._probe = 0
         self._direct()
 
@@ -163,9 +166,12 @@ class BusyPollSelector(selectors.BaseSelector):
         CPU, and the transport then costs no more than without busy polling) except one wait
         in :data:`PROBE_EVERY`, which spins to see the peer move to a CPU of its own."""
         if w.yield_ns:
-            return time.perf_counter_ns() < spin_backoff[0]
-        self._probe += 1
-        return bool(self._probe % PROBE_EVERY)
+            skip = time.perf_counter_ns() < spin_backoff[0]
+        else:
+            self._probe += 1
+            skip = bool(self._probe % PROBE_EVERY)
+        self.skips += skip
+        return skip
 
     @property
     def waiting(self) -> int:
@@ -250,6 +256,7 @@ class BusyPollSelector(selectors.BaseSelector):
         if start < spin_backoff[0]:
             # Another task wants this CPU (see wakeup.spin): sleep at once, as a blocking
             # reader does during the back-off.
+            self.skips += 1
             return self._arm(start, timeout, missed=False)
         # Events already there (a kick for a transport that armed, another socket's data; in
         # one process, the peer's kick) come first: no spin (the look counted this turn).

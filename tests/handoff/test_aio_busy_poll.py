@@ -119,14 +119,15 @@ async def main():
         # Answers after the budget (SPIN_MAX is 200 us) and around it: the spin gives up, the
         # kick is armed (arm, look again), the answer is read; quick rounds in between let the
         # budget grow back.
-        out["late_spins"] = 0
+        out["late_spins"] = out["late_skips"] = 0
         for delay in [0, 100, 150, 190, 200, 210, 250, 300, 500, 1000, 5000, 20000] * 3:
             for _ in range(20):
                 await rt(reader, writer)
             await primed(reader, writer)
-            spins = sel.spins
+            spins, skips = sel.spins, sel.skips
             await rt(reader, writer, delay)
             out["late_spins"] += sel.spins - spins
+            out["late_skips"] += sel.skips - skips
     elif scenario == "idle":
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
         await asyncio.sleep(0.05)
@@ -250,7 +251,9 @@ def test_no_wakeup_is_lost_when_the_answer_comes_after_the_budget(env: dict[str,
     r = run_client("late", env)
     # Every late answer was read (the client checks each); those after the spin gave up
     # came with the kick armed after it.
-    assert r["late_spins"] >= 30, r  # nearly every late answer was waited for with a spin
+    # Nearly every late answer was waited for with a spin, but for the waits that armed at once
+    # by the rules against starving anyone (another task wanted the CPU: a busy machine).
+    assert r["late_spins"] + r["late_skips"] >= 30 and r["late_spins"] >= 6, r
     assert r["wakeups"] >= 6 and r["arms"] >= 6, r
 
 
