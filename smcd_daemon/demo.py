@@ -282,6 +282,10 @@ class PrivateSmcd:
     the runtime dir, which is local (a shared 9p dir holds no sockets)."""
     name: str = "demo"
     """Names the temporary runtime dir (``smcd-NAME-…``)."""
+    command: tuple[str, ...] = ()
+    """What runs smcd, its options appended (empty: the installed ``smcd``); a wrapper that
+    calls ``smcd_daemon.daemon.main`` in the same process, so that its ``READY=1`` is smcd's
+    own (``bench/profile_connections.py`` runs smcd under a profiler)."""
     workdir: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _notify: socket.socket | None = field(init=False, default=None, repr=False)
@@ -342,7 +346,7 @@ class PrivateSmcd:
         notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._notify = notify
         argv = [
-            *_tool("smcd", "smcd_daemon.daemon", "main"),
+            *(self.command or _tool("smcd", "smcd_daemon.daemon", "main")),
             "--runtime-dir", os.fspath(self.workdir),
             "--state-dir", os.fspath(self.files / "state"),
             "--handoff-socket", os.fspath(self.handoff_socket),
