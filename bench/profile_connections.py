@@ -176,14 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=1500, help="profiled connections")
     ap.add_argument("--warmup", type=int, default=50, help="connections before counting")
     ap.add_argument("--top", type=int, default=12, help="functions listed per process")
+    ap.add_argument("--keep", metavar="DIR", help="keep the profiles there (ROLE.prof)")
     args = ap.parse_args(argv)
     n, warmup = args.connections, args.warmup
     print(f"{n} connections after {warmup} (connect, 1-byte echo, close; one at a time; "
           "smc-run, smcd with no configuration)", flush=True)  # fmt: skip
     base = plain(n, warmup)
     print(f"as it is: {base['rate']:,.0f} connections/s, setup p50 {base['p50_us']:,.0f} us")
-    with tempfile.TemporaryDirectory(prefix="smcd-prof-") as tmp:
-        stats = profiled(n, warmup, Path(tmp))
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        stats = profiled(n, warmup, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="smcd-prof-") as tmp:
+            stats = profiled(n, warmup, Path(tmp))
     print()
     print(f"{'per connection':<26}" + "".join(f"{r:>10}" for r in ROLES))
     print(f"{'CPU, as it is (us)':<26}" + "".join(f"{base[r]:>10,.0f}" for r in ROLES))

@@ -28,16 +28,24 @@ def _no_backoff() -> Iterator[None]:
 
 
 def _failed_spin(w: wakeup.Waiter) -> None:
-    """A spin that runs out of budget: the word it watches never changes. A spin cut short
-    because another task took this CPU (the back-off, on a loaded machine) is tried again."""
+    """A spin that runs out of budget: the word it watches never changes. Its yields give the
+    CPU to nobody (``sched_yield`` is a no-op meanwhile): on a loaded machine another task
+    would otherwise take the CPU at every yield and cut every spin short (the back-off, which
+    these tests are not about). A spin cut short all the same (preempted exactly across a
+    yield) is tried again."""
     words = memoryview(bytearray(8)).cast("Q")
     budget = w.spin_ns
-    for _ in range(50):
-        assert not wakeup.spin(w, lambda: False, None, words, 0, 0)
-        if not wakeup.spin_backoff[0]:
-            return
-        wakeup.spin_backoff[0] = 0
-        w.spin_ns = budget
+    real_yield = os.sched_yield
+    os.sched_yield = lambda: None
+    try:
+        for _ in range(50):
+            assert not wakeup.spin(w, lambda: False, None, words, 0, 0)
+            if not wakeup.spin_backoff[0]:
+                return
+            wakeup.spin_backoff[0] = 0
+            w.spin_ns = budget
+    finally:
+        os.sched_yield = real_yield
     pytest.fail("every spin was cut short by another task on this CPU")
 
 
