@@ -269,6 +269,16 @@ class Smcd:
     def log(self) -> str:
         return "" if self.proc is None else self.proc.log()
 
+    def wait_log(self, *texts: str, since: int = 0, timeout: float = 10.0) -> str:
+        """The log from ``since`` once it holds one of ``texts``: the daemon logs an outcome
+        after it answered, so an application can see it before the line is written."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log()[since:]
+            if any(text in log for text in texts) or time.monotonic() > deadline:
+                return log
+            time.sleep(0.05)
+
     def fds(self) -> dict[str, int]:
         """What the daemon holds, by kind: ``memfd`` (DMBs), ``eventfd``, ``socket``, ``all``;
         ``inodes`` is not a count but the set of its DMB memfd inodes."""

@@ -98,7 +98,8 @@ def test_clc_timeout_after_a_proposal_aborts_the_connection(smcd: Smcd, apps: An
     # and nothing after it: no Decline before the reset (the kernel sends none on its timer)
     assert len(seen["data"]) == int.from_bytes(seen["data"][5:7], "big"), seen
     assert seen["end"] == "reset", seen
-    assert "timed out" in smcd.log() or "reset" in smcd.log()
+    log = smcd.wait_log("timed out", "reset")
+    assert "timed out" in log or "reset" in log, log[-2000:]
 
 
 def test_a_quota_fallback_names_the_quota_on_both_halves(smcd: Smcd, apps: Any) -> None:
@@ -228,6 +229,6 @@ def test_a_consumer_cursor_ahead_of_the_producer_aborts_the_connection(
     for app in (server, client):
         got = app.reply(timeout=10)
         assert got.get("error") == "ConnectionResetError", got
-    log = smcd.log()[mark:]
+    log = smcd.wait_log("the consumer cursor is ahead of the producer", since=mark)
     assert "the consumer cursor is ahead of the producer" in log, log[-2000:]
     _close(server, client)
