@@ -536,7 +536,12 @@ class Channel(ChannelBase):
     def recv_bytes(self, bufsize: int) -> bytes:
         """Up to ``bufsize`` received bytes as a new ``bytes`` object, copied once, straight
         out of the ring (what ``socket.recv`` returns, without a zeroed scratch buffer and a
-        second copy). ``b""`` and errors as :meth:`recv_into` (stops at the ring's end)."""
+        second copy). ``b""`` and errors as :meth:`recv_into`.
+
+        Everything there, up to ``bufsize``, in one call, as TCP's ``recv`` returns it: across
+        the ring's end too, and when the data arrives while the call finds the ring empty.
+        Programs that take a small message for one ``recv`` (wrong, but common, and what TCP
+        loopback always gives them) would otherwise see one split once a lap, or by a race."""
         if self._fence:
             self._pass_fence()
         hdr = self._rx_hdr
@@ -550,12 +555,25 @@ class Channel(ChannelBase):
         )
         if avail <= 0 or avail > L or bufsize <= 0 or flags & PEER_CONN_ABORT or self._dead:
             scratch = bytearray(1 if bufsize > 0 else 0)  # every unusual case: recv_into's
-            return bytes(scratch[: self._recv_into(scratch)])
-        n = min(bufsize, avail, L - pos)
-        data = bytes(self._rx_ring[pos : pos + n])
-        pos += n
-        if pos == L:
-            pos = 0
+            if not self._recv_into(scratch):
+                return b""
+            if bufsize == 1:
+                return bytes(scratch)
+            # Data came between our look and recv_into's: the rest of it in this call too
+            # (an error after that byte is the next call's, as TCP reports a reset).
+            try:
+                return bytes(scratch) + self.recv_bytes(bufsize - 1)
+            except OSError:
+                return bytes(scratch)
+        n = bufsize if bufsize < avail else avail
+        end = L - pos
+        if n < end:
+            data = bytes(self._rx_ring[pos : pos + n])
+            pos += n
+        else:  # to the ring's end and on from its start: once a lap
+            ring = self._rx_ring
+            data = bytes(ring[pos:L]) if n == end else b"".join((ring[pos:L], ring[: n - end]))
+            pos = n - end
             wrap = (wrap + 1) & 0xFFFF
             self._rx_new_wrap(wrap)
         word = wrap << WRAP_SHIFT | pos << COUNT_SHIFT

@@ -352,7 +352,7 @@ def test_stats_shape() -> None:
 
 def test_recv_bytes_crosses_the_wrap_and_keeps_semantics() -> None:
     """``recv_bytes`` (SmcSocket.recv's one-copy path) returns what ``recv_into`` would, in
-    pieces that stop at the ring's end, then ``b""`` for nothing yet and for EOF."""
+    pieces that may cross the ring's end, then ``b""`` for nothing yet and for EOF."""
     a, b = pair()
     ring = (16 << 10) - 32
     rng = random.Random(5)
@@ -374,6 +374,50 @@ def test_recv_bytes_crosses_the_wrap_and_keeps_semantics() -> None:
     a.close()
     assert b.recv_bytes(10) == b"bye"
     assert b.recv_bytes(10) == b"" and b.eof
+    b.close()
+
+
+def test_recv_bytes_returns_a_message_that_straddles_the_rings_end_whole() -> None:
+    """A small message written across the ring's end comes out of one ``recv`` whole, as TCP
+    gives it (it used to come in two pieces, once a lap)."""
+    a, b = pair()
+    ring = (16 << 10) - 32
+    msg = b"from the child"
+    total = 0
+    for k in (5, 1, 13):  # the ring's end falls inside, right after the first byte, at the end
+        fill = bytes((ring - k) - b.stats()["rx_cons"][1])
+        assert a.send_into(fill) == len(fill)
+        assert b.recv_bytes(len(fill)) == fill
+        assert a.send_into(msg) == len(msg)
+        assert b.recv_bytes(100) == msg
+        total += len(fill) + len(msg)
+    assert b.stats()["rx_cons"][0] == 3  # three laps, each ended inside a message's read
+    a.send_into(b"after")
+    assert b.recv_bytes(100) == b"after" and b.stats()["bytes_received"] == total + 5
+    a.close()
+    b.close()
+
+
+def test_recv_bytes_takes_what_arrives_while_it_finds_the_ring_empty() -> None:
+    """A message published between ``recv_bytes``'s look (empty) and its long way's read comes
+    out whole: the long way's one-byte read used to return just its first byte (seen as
+    ``b'f'`` for ``b'from the child'`` under load)."""
+    a, b = pair()
+    long_way = b._recv_into
+    published = []
+
+    def racing(buffer: bytearray, nbytes: int = 0) -> int:
+        if not published:
+            published.append(a.send_into(b"from the child"))
+        return long_way(buffer, nbytes)
+
+    b._recv_into = racing  # type: ignore[method-assign]
+    assert b.recv_bytes(100) == b"from the child" and published == [14]
+    assert b.recv_bytes(100) == b""  # nothing more: not a byte twice
+    a.send_into(b"x")
+    assert b.recv_bytes(1) == b"x"
+    a.close()
+    assert b.recv_bytes(100) == b"" and b.eof
     b.close()
 
 
