@@ -585,7 +585,13 @@ class SmcSocket(_BaseSocket):
             view = view.cast("B")
         if not view.nbytes:
             return 0
-        return self._send_some(smc, view, flags)
+        n = self._send_some(smc, view, flags)
+        if n < view.nbytes and self._deadline(flags) is None:
+            # Blocking: all of it, as Linux TCP's (and the kernel AF_SMC's) send returns only
+            # once everything is queued; a program that drops the count loses nothing.
+            self.sendall(view[n:], flags)
+            return view.nbytes
+        return n
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:
         smc = self._smc  # None once closed: then _live() below raises EBADF

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import random
 import selectors
 import signal
 import socket
@@ -373,6 +374,25 @@ def test_send_timeout_when_peer_does_not_read(pair: tuple[Any, Any]) -> None:
     a.settimeout(0.3)
     with pytest.raises(TimeoutError):
         a.sendall(b"x" * (64 << 20))
+
+
+def test_a_blocking_send_sends_everything(pair: tuple[Any, Any]) -> None:
+    """A blocking ``send`` returns once all of it is sent, as Linux TCP's (and the kernel's
+    AF_SMC) does: a program that ignores its return value (a bug, but a common one that TCP
+    never shows) loses nothing. With a timeout it may return less, as TCP's does."""
+    a, b = pair
+    data = random.Random(7).randbytes(8 << 20)  # several rings: the reader must free them
+    got = bytearray()
+
+    def reader() -> None:
+        while len(got) < len(data) and (chunk := b.recv(1 << 20)):
+            got.extend(chunk)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert a.send(data) == len(data)
+    t.join(30)
+    assert bytes(got) == data
 
 
 def test_non_blocking(pair: tuple[Any, Any]) -> None:
