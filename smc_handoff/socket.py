@@ -588,9 +588,13 @@ class SmcSocket(_BaseSocket):
         n = self._send_some(smc, view, flags)
         if n < view.nbytes and self._deadline(flags) is None:
             # Blocking: all of it, as Linux TCP's (and the kernel AF_SMC's) send returns only
-            # once everything is queued; a program that drops the count loses nothing.
-            self.sendall(view[n:], flags)
-            return view.nbytes
+            # once everything is queued, so a program that drops the count loses nothing; an
+            # error after some of it is the next call's, as there (the count says what went).
+            try:
+                while n < view.nbytes:
+                    n += self._send_some(smc, view[n:], flags)
+            except OSError:
+                pass
         return n
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:

@@ -395,6 +395,23 @@ def test_a_blocking_send_sends_everything(pair: tuple[Any, Any]) -> None:
     assert bytes(got) == data
 
 
+def test_a_blocking_send_cut_by_a_reset_returns_what_went(pair: tuple[Any, Any]) -> None:
+    """The peer resets while a blocking send waits for room: the send returns the bytes that
+    went, and the next call raises, as Linux TCP's send does."""
+    a, b = pair  # the peer reads nothing at all
+    timer = threading.Timer(0.3, abort, (b,))
+    timer.start()
+    try:
+        n = a.send(bytes(64 << 20))  # far more than the rings and buffers hold
+    finally:
+        timer.join()
+    assert 0 < n < 64 << 20
+    with pytest.raises((ConnectionResetError, BrokenPipeError)):
+        for _ in range(100):  # TCP may take a send or two to see the reset
+            a.send(b"x" * 65536)
+            time.sleep(0.01)
+
+
 def test_non_blocking(pair: tuple[Any, Any]) -> None:
     a, b = pair
     a.setblocking(False)
