@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, os.fspath(HERE))
 sys.path.insert(1, os.fspath(HERE.parent))
 
-from userview import APP, cpu_ns, smc_run  # noqa: E402
+from userview import APP, cpu_ns, port_of, smc_run, user_env  # noqa: E402
 
 from smcd_daemon.demo import PrivateSmcd  # noqa: E402
 
@@ -43,19 +43,15 @@ PROFILED = HERE / "_profiled.py"
 ROLES = ("smcd", "client", "server")
 
 
-def _env(daemon: PrivateSmcd) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
-    return {**base, **daemon.env}
-
-
 def _server(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
     assert proc.stdout is not None
-    first = proc.stdout.readline().split()
-    if first[:1] != ["PORT"]:
+    first = proc.stdout.readline()
+    port = port_of(first)
+    if port is None:
         proc.kill()
         raise RuntimeError(f"the echo server said {first!r}, not PORT n")
-    return proc, int(first[1])
+    return proc, port
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -68,7 +64,7 @@ def plain(n: int, warmup: int) -> dict[str, float]:
     """The loop as ``make bench`` runs it: rate, setup p50, CPU per connection."""
     daemon = PrivateSmcd(log_level="warning", name="prof-plain").start()
     try:
-        env = _env(daemon)
+        env = user_env(daemon.env)
         assert daemon.proc is not None
         server, port = _server([*smc_run(), os.fspath(APP), "echo", "1"], env)
         try:
@@ -113,7 +109,7 @@ def profiled(n: int, warmup: int, outdir: Path) -> dict[str, pstats.Stats]:
     )  # fmt: skip
     daemon.start()
     try:
-        env = _env(daemon)
+        env = user_env(daemon.env)
         assert daemon.proc is not None
         server, port = _server(
             [*smc_run(), os.fspath(PROFILED), os.fspath(outs["server"]), "--script",

@@ -120,6 +120,19 @@ def smc_run() -> list[str]:
     return [os.fspath(script)] if script.exists() else [sys.executable, "-m", "smc_handoff.run"]
 
 
+def port_of(line: str) -> int | None:
+    """The port of a ``user_app.py`` server's first line (``PORT n``), None if it is not one."""
+    words = line.split()
+    return int(words[1]) if len(words) == 2 and words[0] == "PORT" and words[1].isdigit() else None
+
+
+def user_env(smc_env: dict[str, str] | None) -> dict[str, str]:
+    """A user's environment: ours without any smcd or smc-run settings, plus ``smc_env`` (a
+    private smcd's handoff socket) for a program that is to use it."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+    return {**base, **smc_env} if smc_env is not None else base
+
+
 class App:
     """One run of ``user_app.py``: stdout read line by line, stderr kept in a file."""
 
@@ -153,10 +166,11 @@ class App:
 
     def port(self) -> int:
         first = self.line()
-        if not first.startswith("PORT "):
+        port = port_of(first)
+        if port is None:
             self.kill()
             raise RuntimeError(f"{self.what}: said {first!r}, not PORT n")
-        return int(first.split()[1])
+        return port
 
     def result(self) -> dict[str, float]:
         try:
@@ -250,8 +264,7 @@ class UserView:
     """smcd's CPU time per connection (µs) of each one-at-a-time connections run."""
 
     def env(self, kind: str) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
-        return {**base, **self.smc_env} if kind == "smc" else base
+        return user_env(self.smc_env if kind == "smc" else None)
 
     def measure(self, keys: tuple[str, ...], once: Callable[[str], tuple[float, ...]]) -> None:
         """``once(kind)`` ``repeats`` times per kind, tcp then smc; the median of each figure."""
