@@ -614,6 +614,15 @@ class Channel(ChannelBase):
             mv[first:n] = ring[: n - first]
         return n, done
 
+    def unread(self) -> int:
+        """The bytes received and not yet read (``SIOCINQ``); none once the connection was
+        reset, as a reset TCP socket has none."""
+        try:
+            _, avail = self._rx_look()
+        except ConnectionResetError:
+            return 0
+        return avail if 0 < avail <= self._rx_len else 0
+
     def readable(self) -> bool:
         """True when :meth:`recv_into` would return data or EOF, or raise (no blocking)."""
         self._check_open()

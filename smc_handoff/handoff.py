@@ -626,6 +626,9 @@ class ChannelState:
     state's collection: ``relay_closer``), as a TCP socket passed on stays open while the
     sender holds its own copy."""
     relay_closer: Callable[[], object] | None = None
+    fd: int = -1
+    """The channel's ``fileno()`` number while the sockets on it are indexed by it
+    (``smc_handoff.socket.connection_at``)."""
 
     RECHECK_S = 1.0
 

@@ -26,6 +26,8 @@ runs: the program never breaks because smcd is absent.
 from __future__ import annotations
 
 import _socket as _csocket
+import errno
+import fcntl
 import functools
 import importlib.abc
 import importlib.util
@@ -33,6 +35,7 @@ import logging
 import os
 import shutil
 import socket as _socket
+import struct
 import sys
 import weakref
 from collections.abc import Callable
@@ -40,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from smc_handoff import messages, peer_option
+from smc_handoff import socket as _smc_socket
 from smc_handoff.handoff import Registration
-from smc_handoff.socket import SmcSocket, accepted, is_eventfd
+from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd
 
 __all__ = [
     "AutoSocket",
@@ -344,6 +348,63 @@ def _patch_dup2() -> None:
     os.dup2 = smc_dup2
 
 
+def _patch_fd_calls(fcntl: Any) -> None:
+    """``os.read``, ``os.write`` and ``fcntl.ioctl`` on an SMC connection's ``fileno()`` act
+    on the connection, as they act on a TCP socket's descriptor. That number is the channel's
+    eventfd: unpatched, ``os.read`` returned its 8-byte counter as if it were data, and
+    ``os.write`` of 8 bytes added them to the counter and said they were sent. Any other
+    number costs one dictionary look (an empty one while no SMC connection is open)."""
+    read, write, ioctl = os.read, os.write, fcntl.ioctl
+    if getattr(read, "_smc_fd", False):
+        return
+    by_fd = _smc_socket._by_fd
+
+    @functools.wraps(read)
+    def smc_read(fd: int, n: int, /) -> bytes:
+        if by_fd and fd in by_fd and (sock := connection_at(fd)) is not None:
+            return sock.fd_read(n)
+        data: bytes = read(fd, n)
+        return data
+
+    @functools.wraps(write)
+    def smc_write(fd: int, data: Any, /) -> int:
+        if by_fd and fd in by_fd and (sock := connection_at(fd)) is not None:
+            return sock.fd_write(data)
+        n: int = write(fd, data)
+        return n
+
+    @functools.wraps(ioctl)
+    def smc_ioctl(fd: Any, request: int, arg: Any = 0, mutate_flag: bool = True, /) -> Any:
+        if by_fd:
+            sock = fd if isinstance(fd, SmcSocket) else None
+            if sock is None and isinstance(fd, int) and fd in by_fd:
+                sock = connection_at(fd)
+            value = sock.fd_ioctl(request) if sock is not None else None
+            if value is not None:
+                return _ioctl_answer(value, arg, mutate_flag)
+        return ioctl(fd, request, arg, mutate_flag)
+
+    smc_read._smc_fd = True  # type: ignore[attr-defined]
+    os.read, os.write, fcntl.ioctl = smc_read, smc_write, smc_ioctl
+
+
+def _ioctl_answer(value: int, arg: Any, mutate_flag: bool) -> Any:
+    """What ``fcntl.ioctl`` returns for an ioctl that stores the C int ``value`` at its
+    argument: the argument's bytes with ``value`` in front (an immutable buffer, or
+    ``mutate_flag`` false), or 0 with ``value`` stored in the mutable buffer itself."""
+    if isinstance(arg, int):  # a pointer the kernel would write to: not one a program has
+        raise OSError(errno.EFAULT, os.strerror(errno.EFAULT))
+    if isinstance(arg, str):
+        arg = arg.encode()
+    packed = struct.pack("i", value)
+    view = memoryview(arg).cast("B")
+    if view.readonly or not mutate_flag:
+        return (packed + bytes(view[4:]))[: len(view)]
+    k = min(4, len(view))
+    view[:k] = packed[:k]
+    return 0
+
+
 def _patch_uvloop(uvloop: Any) -> None:
     from smc_handoff import aio_loop
 
@@ -406,6 +467,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("subprocess", _patch_subprocess)
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()
+    _patch_fd_calls(fcntl)
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

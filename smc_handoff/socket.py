@@ -107,6 +107,8 @@ _family_of = _csocket.socket.family.__get__
 _type_of = _csocket.socket.type.__get__
 _proto_of = _csocket.socket.proto.__get__
 _MODE_NAMES = {mode: mode.name.lower() for mode in messages.Mode}
+_SIOCINQ = 0x541B  # FIONREAD
+_IOCTLS = frozenset((_SIOCINQ, 0x5411, 0x894B))  # SIOCINQ, SIOCOUTQ (TIOCOUTQ), SIOCOUTQNSD
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 _Smc = ChannelState
 
@@ -117,6 +119,44 @@ def is_eventfd(fd: int) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
     except OSError:
         return False
+
+
+_by_fd: dict[int, list[weakref.ref[SmcSocket]]] = {}
+"""The SMC connections of this process by their ``fileno()`` (the channel's eventfd number),
+for the calls that take a bare number: ``os.read``/``os.write``/``fcntl.ioctl`` (smc-run's
+:func:`smc_handoff.run.install`). Kept as the handoff and ``dup()`` make sockets; a closed
+socket's entry goes with its close (a collected one's dead reference at the next look)."""
+
+
+def connection_at(fd: int) -> SmcSocket | None:
+    """The SMC connection whose ``fileno()`` is ``fd`` (not a copy of it: ``os.dup``), None
+    if there is none."""
+    refs = _by_fd.get(fd)
+    if refs is None:
+        return None
+    for ref in refs:
+        sock = ref()
+        smc = sock._smc if sock is not None else None
+        if smc is not None and smc.fd == fd:
+            return sock
+    return None
+
+
+def _index(sock: SmcSocket, smc: _Smc) -> None:
+    smc.fd = smc.channel.event_fd()
+    _by_fd.setdefault(smc.fd, []).append(weakref.ref(sock))
+
+
+def _unindex(fd: int) -> None:
+    """Drop the references to ``fd`` of sockets that are gone or no longer on its channel."""
+    refs = _by_fd.get(fd)
+    if refs is None:
+        return
+    keep = [r for r in refs if (o := r()) is not None and o._smc is not None]
+    if keep:
+        _by_fd[fd] = keep
+    else:
+        del _by_fd[fd]
 
 
 def _ebadf() -> OSError:
@@ -369,10 +409,11 @@ class SmcSocket(_BaseSocket):
             self._set_fallback(messages.daemon_error(str(error)))
             return
         role = messages.Role.SERVER if server_side else messages.Role.CLIENT
-        self._smc = _Smc(
+        self._smc = smc = _Smc(
             channel, ctl, reply, role, reply.conn_id, next_check=time.monotonic() + _Smc.RECHECK_S
         )
         self._fallback = None
+        _index(self, smc)
         if log.isEnabledFor(logging.DEBUG):
             what = "ACCEPT" if server_side else "CONNECT"  # (not self.mode: a settle holds
             mode = _MODE_NAMES[reply.mode]  # the lock that reading .mode would take again)
@@ -538,6 +579,29 @@ class SmcSocket(_BaseSocket):
         n = self.recv_into(buf, size, flags)
         return bytes(buf[:n])
 
+    # -- calls on the bare descriptor (smc-run routes them here: smc_handoff.run) ----------------
+
+    def fd_read(self, n: int) -> bytes:
+        """``os.read(fileno(), n)``: what read(2) gives on the TCP socket. It never waits when
+        the socket has a timeout, since Python sets ``O_NONBLOCK`` then (the socket module's
+        timeout is its own; read(2) knows none)."""
+        return self.recv(n, 0 if self.gettimeout() is None else _MSG_DONTWAIT)
+
+    def fd_write(self, data: Buffer) -> int:
+        """``os.write(fileno(), data)``: what write(2) gives on the TCP socket (see
+        :meth:`fd_read` for when it waits)."""
+        return self.send(data, 0 if self.gettimeout() is None else _MSG_DONTWAIT)
+
+    def fd_ioctl(self, request: int) -> int | None:
+        """``ioctl(fileno(), request)``'s answer on an SMC connection, as the kernel's AF_SMC
+        gives it (``smc_ioctl``): ``SIOCINQ``/``FIONREAD`` the bytes received and not yet read;
+        ``SIOCOUTQ`` and ``SIOCOUTQNSD`` the bytes sent and not yet in the peer's buffer, none
+        here, since a send writes there. None: not one of these (TCP mode included)."""
+        smc = self._live()
+        if smc is None or request not in _IOCTLS:
+            return None
+        return smc.channel.unread() if request == _SIOCINQ else 0
+
     def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
         if self._live() is None:
             if self._clc_guard:
@@ -702,6 +766,8 @@ class SmcSocket(_BaseSocket):
                 self._settle()
         smc, self._smc = self._smc, None
         self._gone = True
+        if smc is not None:
+            _unindex(smc.fd)
         if smc is not None and smc.holders > 1:  # a dup() holds the connection on
             smc.holders -= 1
         elif smc is not None:
@@ -758,6 +824,7 @@ class SmcSocket(_BaseSocket):
         if smc.holders > 1:
             raise OSError(errno.EOPNOTSUPP, "a dup()ed SMC socket cannot leave its channel")
         self._smc = None
+        _unindex(smc.fd)
         ch.close()
         smc.notify(messages.Close(False, 0, 0))
         if smc.control is not None:
@@ -788,6 +855,7 @@ class SmcSocket(_BaseSocket):
             raise
         twin._smc = smc
         smc.holders += 1
+        _index(twin, smc)
         twin.settimeout(self.gettimeout())
         return twin
 

@@ -765,6 +765,91 @@ def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) 
     _relays_end("passing-server-marker")
 
 
+FD_SERVER = r"""
+import fcntl, os, select, socket, struct, termios
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+fd = conn.fileno()
+total, seen = 0, []
+while True:
+    select.select([fd], [], [])
+    avail = bytearray(4)  # FIONREAD both ways: into a mutable buffer, and as bytes back
+    assert fcntl.ioctl(fd, termios.FIONREAD, avail) == 0
+    (avail,) = struct.unpack("i", avail)
+    (again,) = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))
+    data = os.read(fd, 1 << 20)
+    if not data:
+        assert avail == again == 0, (avail, again)
+        break
+    assert avail >= 1 and again >= avail, (avail, again)
+    seen.append(avail)
+    total += len(data)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+(outq,) = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))
+conn.close()
+print("TOTAL", total, "FIONREAD", bool(seen), "OUTQ", outq >= 0, flush=True)
+"""
+
+FD_CLIENT = r"""
+import hashlib, os, socket, sys, threading
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+fd = sock.fileno()
+sock.settimeout(5)  # O_NONBLOCK on a TCP socket: read(2) does not wait
+try:
+    os.read(fd, 10)
+except BlockingIOError:
+    print("EAGAIN", flush=True)
+sock.settimeout(None)
+data = os.urandom(3_000_000)
+def send():
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view[:100_000]):]
+    sock.shutdown(socket.SHUT_WR)
+t = threading.Thread(target=send)
+t.start()
+back = bytearray()
+while chunk := os.read(fd, 65536):
+    back += chunk
+t.join()
+assert len(back) == len(data) and back == data, (len(back), len(data))
+sock.close()
+print("FD OK", flush=True)
+"""
+
+
+def test_os_read_write_and_fionread_on_the_descriptor_act_on_the_connection(
+    nocfg: PrivateSmcd,
+) -> None:
+    """``os.read``/``os.write``/``fcntl.ioctl(FIONREAD)`` on a connection's ``fileno()``, as
+    programs use them on a TCP socket's descriptor, run first on plain TCP (the oracle) and then
+    under smc-run. An SMC connection's number is the channel's eventfd: ``os.read`` returned its
+    8-byte counter as if it were data, ``os.write`` of 8 bytes vanished into the counter, and
+    FIONREAD failed with ENOTTY. Now 3 MB echo intact both ways."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(nocfg)
+    server = subprocess.Popen([*plain, FD_SERVER], env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run([*plain, FD_CLIENT, port], capture_output=True, text=True,
+                                env=env, timeout=60)  # fmt: skip
+        tout, terr = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert client.stdout == "EAGAIN\nFD OK\n", ("tcp", client.stderr, terr)
+    assert tout == "TOTAL 3000000 FIONREAD True OUTQ True\n", ("tcp", tout, terr)
+    client, sout, serr = _talk(nocfg, FD_SERVER, FD_CLIENT)
+    assert client.returncode == 0 and client.stdout == "EAGAIN\nFD OK\n", (client.stderr, serr)
+    assert sout == "TOTAL 3000000 FIONREAD True OUTQ True\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 PICKLING_SERVER = r"""
 import multiprocessing, os, socket, sys, tempfile  # pickling-server-marker
 def serve(c):  # in a worker: echo until EOF

@@ -105,6 +105,10 @@ class MiniDaemon:
             m.close_fds(fds)
             m.send_message(conn, m.Error(m.ErrorCode.BAD_STATE, "not a first request"))
         self._notices(conn)
+        with self.lock:  # the library hung up: this end goes too (long runs make many)
+            if conn in self.conns:
+                self.conns.remove(conn)
+                conn.close()
 
     def _handoff(self, conn: socket.socket, msg: m.Connect | m.Accept, fd: int) -> None:
         tcp = socket.socket(fileno=fd)
@@ -1115,3 +1119,85 @@ def test_a_copy_of_the_fileno_stands_for_the_connection(daemon: MiniDaemon) -> N
         os.close(other)
         a.close()
         b.close()
+
+
+def test_the_connection_at_a_fileno_follows_dups_and_closes(daemon: MiniDaemon) -> None:
+    """``connection_at``: what smc-run's ``os.read``/``os.write``/``fcntl.ioctl`` route a bare
+    number by. A ``dup()`` shares the number; the connection stays found until its last close,
+    and its number is forgotten then (another file may get it)."""
+    from smc_handoff import socket as smc_socket
+
+    a, b = wrapped_pair()
+    fd = a.fileno()
+    assert smc_socket.connection_at(fd) is a and smc_socket.connection_at(b.fileno()) is b
+    twin = a.dup()
+    assert twin.fileno() == fd
+    a.close()
+    assert smc_socket.connection_at(fd) is twin
+    twin.close()
+    assert smc_socket.connection_at(fd) is None and fd not in smc_socket._by_fd
+    b.close()
+    assert smc_socket.connection_at(-1) is None
+
+
+def test_descriptor_calls_answer_as_on_a_tcp_socket(pair: tuple[Any, Any]) -> None:
+    """``fd_read``/``fd_write``/``fd_ioctl`` (what smc-run gives ``os.read``, ``os.write`` and
+    ``fcntl.ioctl`` on an SMC connection's number) against read(2), write(2) and ioctl(2) on a
+    TCP socket's descriptor: FIONREAD counts what is unread; a socket with a timeout is
+    O_NONBLOCK, so a read finds nothing at once; EOF is an empty read."""
+    import fcntl
+    import termios
+
+    a, b = pair
+
+    def call(sock: Any, what: str, *args: Any) -> Any:
+        if isinstance(sock, SmcSocket) and sock.mode == "smcd":
+            if what == "ioctl":
+                return sock.fd_ioctl(args[0])
+            return getattr(sock, f"fd_{what}")(*args)
+        fd = sock.fileno()
+        if what == "ioctl":
+            return struct.unpack("i", fcntl.ioctl(fd, args[0], b"\0" * 4))[0]
+        return getattr(os, what)(fd, *args)
+
+    assert call(b, "ioctl", termios.FIONREAD) == 0
+    assert call(a, "write", b"x" * 1000) == 1000
+    assert readable(b, 5)
+    assert call(b, "ioctl", termios.FIONREAD) == 1000
+    assert call(b, "read", 10) == b"x" * 10
+    assert call(b, "ioctl", termios.FIONREAD) == 990
+    assert call(b, "read", 4096) == b"x" * 990
+    deadline = time.monotonic() + 2  # TCP's count is of bytes not yet acknowledged
+    while call(a, "ioctl", termios.TIOCOUTQ) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert call(a, "ioctl", termios.TIOCOUTQ) == 0  # all of it is at the peer
+    b.settimeout(2.0)
+    with pytest.raises(BlockingIOError):
+        call(b, "read", 10)
+    b.settimeout(None)
+    a.shutdown(socket.SHUT_WR)
+    assert readable(b, 5)
+    assert call(b, "read", 10) == b""
+    assert call(b, "ioctl", termios.FIONREAD) == 0
+    if isinstance(b, SmcSocket) and b.mode == "smcd":
+        assert b.fd_ioctl(termios.TIOCGWINSZ) is None  # not a socket's: the eventfd's answer
+
+
+def test_an_ioctl_answer_takes_the_forms_fcntl_returns() -> None:
+    """``fcntl.ioctl``'s argument forms for an int result: bytes or str (the buffer's bytes
+    come back with the int in front), a mutable buffer (filled in place, 0 returned, unless
+    ``mutate_flag`` is false), an int (a pointer: EFAULT, as the kernel says for address 0)."""
+    from smc_handoff.run import _ioctl_answer
+
+    packed = struct.pack("i", 1234)
+    assert _ioctl_answer(1234, b"\0" * 4, True) == packed
+    assert _ioctl_answer(1234, b"\0" * 6, True) == packed + b"\0\0"
+    assert _ioctl_answer(1234, "\0" * 4, True) == packed
+    assert _ioctl_answer(1234, b"\0\0", True) == packed[:2]
+    buf = bytearray(4)
+    assert _ioctl_answer(1234, buf, True) == 0 and bytes(buf) == packed
+    buf = bytearray(4)
+    assert _ioctl_answer(1234, buf, False) == packed and buf == bytearray(4)
+    with pytest.raises(OSError) as e:
+        _ioctl_answer(1234, 0, True)
+    assert e.value.errno == errno.EFAULT
