@@ -335,6 +335,14 @@ class Channel(ChannelBase):
             self._tx_run = 0
             self._set_csflags(self._csflags | PEER_DONE_WRITING)
 
+    def shutdown_read(self) -> None:
+        """SHUT_RD: nothing changes for the peer (the kernel's AF_SMC sends nothing either), but
+        a read no longer waits: it returns what is there, else EOF. So the end polls readable
+        from now on, as a TCP socket shut for reading does."""
+        self._rd_shut = True
+        if self._level:
+            self._level_sync()
+
     # ---------------------------------------------------------------------------- receiving
 
     def recv_into(self, buffer: Any, nbytes: int = 0) -> int:

@@ -322,6 +322,7 @@ class ChannelBase:
         self._link_dead = False
         self._peer_died = False
         self._local_abort = False
+        self._rd_shut = False  # SHUT_RD: reads never wait, so the end counts as readable
         self._violation: str | None = None
         self._dead = False  # any of the three above: every data operation resets
 
@@ -531,6 +532,7 @@ class ChannelBase:
             or hdr[W_CONS] >> CSFLAGS_SHIFT & ANY_CLOSE
             or self._local_abort
             or self._peer_died
+            or self._rd_shut
         )
 
     def _tx_ready(self) -> bool:

@@ -501,8 +501,10 @@ class SmcSocket(_BaseSocket):
             if nbytes > view.nbytes:
                 raise ValueError("buffer too small for requested bytes")
             view = view[:nbytes]
-        if not view.nbytes or smc.rd_shut:
+        if not view.nbytes:
             return 0
+        if smc.rd_shut:
+            return self._recv_after_shut_rd(smc, view, flags)
         if flags & (_MSG_PEEK | _MSG_WAITALL):
             return self._recv_special(smc, view, flags)
         ch = smc.channel
@@ -520,6 +522,17 @@ class SmcSocket(_BaseSocket):
             n = ch.recv_into(view)
             if n:
                 return n
+
+    def _recv_after_shut_rd(self, smc: _Smc, view: memoryview, flags: int) -> int:
+        """After ``SHUT_RD`` a read still returns what was received, before and after the
+        shutdown, as Linux TCP and the kernel's ``smc_rx_recvmsg`` do; once nothing is there it
+        returns 0 at once (EOF), without waiting."""
+        try:
+            if flags & (_MSG_PEEK | _MSG_WAITALL):
+                return self._recv_special(smc, view, (flags & ~_MSG_WAITALL) | _MSG_DONTWAIT)
+            return smc.channel.recv_into(view)
+        except BlockingIOError:
+            return 0
 
     def _recv_special(self, smc: _Smc, view: memoryview, flags: int) -> int:
         """``MSG_PEEK`` and ``MSG_WAITALL``, as the kernel's ``smc_rx_recvmsg`` has them: a
@@ -752,8 +765,9 @@ class SmcSocket(_BaseSocket):
             return super().shutdown(how)
         if how not in (_socket.SHUT_RD, _socket.SHUT_WR, _socket.SHUT_RDWR):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        if how in (_socket.SHUT_RD, _socket.SHUT_RDWR):
+        if how in (_socket.SHUT_RD, _socket.SHUT_RDWR) and not smc.rd_shut:
             smc.rd_shut = True
+            smc.channel.shutdown_read()
         if how in (_socket.SHUT_WR, _socket.SHUT_RDWR) and not smc.wr_shut:
             smc.wr_shut = True
             smc.channel.shutdown_write()

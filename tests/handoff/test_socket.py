@@ -590,6 +590,30 @@ def test_shutdown_rd_reads_eof(pair: tuple[Any, Any]) -> None:
     assert a.recv(10) == b""
 
 
+def test_shutdown_rd_still_returns_what_was_received(pair: tuple[Any, Any]) -> None:
+    """After ``SHUT_RD`` reads return what came before and after it, then EOF without waiting,
+    and the socket polls readable, as on Linux TCP and the kernel's AF_SMC (``smc_rx_recvmsg``
+    copies available data before it looks at ``RCV_SHUTDOWN``). Reads used to return EOF at
+    once, and the data left unread made the close a reset."""
+    import select
+
+    a, b = pair
+    a.sendall(b"before")
+    assert readable(b, 5)
+    b.shutdown(socket.SHUT_RD)
+    assert b.recv(100) == b"before"
+    assert select.select([b], [], [], 0)[0] == [b]
+    assert b.recv(100) == b""  # nothing there: EOF at once, the peer has not closed
+    a.sendall(b"after")
+    deadline = time.monotonic() + 5
+    got = b""
+    while not got and time.monotonic() < deadline:  # (TCP: once it arrived)
+        got = b.recv(100)
+    assert got == b"after"
+    b.sendall(b"back")  # the other direction is untouched
+    assert recv_exactly(a, 4) == b"back"
+
+
 def test_use_after_close(pair: tuple[Any, Any]) -> None:
     a, _b = pair
     a.close()
