@@ -94,9 +94,19 @@ _STREAM_FAMILIES = (int(_socket.AF_INET), int(_socket.AF_INET6))
 _MSG_DONTWAIT = int(_socket.MSG_DONTWAIT)
 _MSG_PEEK = int(_socket.MSG_PEEK)
 _MSG_WAITALL = int(_socket.MSG_WAITALL)
-_SUPPORTED_FLAGS = (
-    _MSG_DONTWAIT | _MSG_PEEK | _MSG_WAITALL | int(getattr(_socket, "MSG_NOSIGNAL", 0))
-)
+_MSG_TRUNC = int(_socket.MSG_TRUNC)
+_MSG_NOSIGNAL = int(getattr(_socket, "MSG_NOSIGNAL", 0))
+# What the kernel's AF_SMC takes as TCP does: hints that change nothing here (MSG_MORE: our
+# writes are not segmented; MSG_EOR, MSG_CONFIRM: TCP's own), and what a read acts on.
+_SEND_FLAGS = (
+    _MSG_DONTWAIT | _MSG_PEEK | _MSG_WAITALL | _MSG_NOSIGNAL
+    | int(getattr(_socket, "MSG_MORE", 0)) | int(_socket.MSG_EOR)
+    | int(getattr(_socket, "MSG_CONFIRM", 0))
+)  # fmt: skip
+_RECV_FLAGS = (
+    _MSG_DONTWAIT | _MSG_PEEK | _MSG_WAITALL | _MSG_NOSIGNAL | _MSG_TRUNC
+    | int(getattr(_socket, "MSG_CMSG_CLOEXEC", 0))
+)  # fmt: skip
 #: How long a ``MSG_PEEK | MSG_WAITALL`` read naps while fewer bytes than asked are there (a
 #: wait for readability returns at once then: what is there is unread).
 _PEEK_NAP = 0.0005
@@ -466,8 +476,9 @@ class SmcSocket(_BaseSocket):
         return left
 
     @staticmethod
-    def _check_flags(flags: int) -> None:
-        if flags & ~_SUPPORTED_FLAGS:
+    def _check_flags(flags: int, allowed: int = _RECV_FLAGS) -> None:
+        """``MSG_OOB`` (urgent data) and ``MSG_ERRQUEUE`` have no meaning on an SMC channel."""
+        if flags & ~allowed:
             raise OSError(errno.EOPNOTSUPP, "this flag is not supported on an SMC connection")
 
     # -- receiving -----------------------------------------------------------------------------
@@ -503,6 +514,8 @@ class SmcSocket(_BaseSocket):
             view = view[:nbytes]
         if not view.nbytes:
             return 0
+        if flags & _MSG_TRUNC:  # TCP's (and AF_SMC's): the bytes are read, not copied out
+            return self.recv_into(bytearray(view.nbytes), 0, flags & ~_MSG_TRUNC)
         if smc.rd_shut:
             return self._recv_after_shut_rd(smc, view, flags)
         if flags & (_MSG_PEEK | _MSG_WAITALL):
@@ -656,7 +669,7 @@ class SmcSocket(_BaseSocket):
         if smc is None:
             return super().send(data, flags)
         if flags:
-            self._check_flags(flags)
+            self._check_flags(flags, _SEND_FLAGS)
         view = data if type(data) is memoryview else memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -682,7 +695,7 @@ class SmcSocket(_BaseSocket):
         if smc is None:
             return super().sendall(data, flags)
         if flags:
-            self._check_flags(flags)
+            self._check_flags(flags, _SEND_FLAGS)
         view = data if type(data) is memoryview else memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -702,9 +715,13 @@ class SmcSocket(_BaseSocket):
         return None
 
     def sendto(self, data: Buffer, *args: Any) -> int:
+        """On SMC: :meth:`send` (``sendto(data, [flags,] address)``): a connected stream
+        ignores the address, as Linux TCP's and the kernel AF_SMC's ``sendmsg`` do."""
         if self._live() is None:
             return super().sendto(data, *args)
-        raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
+        if not 1 <= len(args) <= 2:
+            raise TypeError(f"sendto() takes 2 or 3 arguments ({len(args) + 1} given)")
+        return self.send(data, args[0] if len(args) == 2 else 0)
 
     def sendfile(self, file: Any, offset: int = 0, count: int | None = None) -> int:
         if self._live() is None:
@@ -713,16 +730,14 @@ class SmcSocket(_BaseSocket):
 
     def sendmsg(self, buffers: Any, ancdata: Any = (), flags: int = 0, address: Any = None) -> int:
         """On SMC: the buffers in order, as one :meth:`send` (a stream's scatter/gather);
-        ancillary data cannot travel over SMC (``EOPNOTSUPP``), and a connected stream takes
-        no address (``EISCONN``, as TCP)."""
+        ancillary data cannot travel over SMC (``EOPNOTSUPP``), and a connected stream
+        ignores an address (see :meth:`sendto`)."""
         if self._live() is None:
             if address is None:
                 return super().sendmsg(buffers, ancdata, flags)
             return super().sendmsg(buffers, ancdata, flags, address)
         if list(ancdata):
             raise OSError(errno.EOPNOTSUPP, "ancillary data cannot travel over an SMC connection")
-        if address is not None:
-            raise OSError(errno.EISCONN, os.strerror(errno.EISCONN))
         return self.send(b"".join(memoryview(b).cast("B") for b in buffers), flags)
 
     def recvmsg(self, bufsize: int, ancbufsize: int = 0, flags: int = 0) -> Any:

@@ -526,6 +526,31 @@ def test_sendmsg_and_recvmsg(pair: tuple[Any, Any]) -> None:
     assert (k, anc, bytes(x), bytes(y[:6])) == (10, [], b"0123", b"456789")
 
 
+def test_flags_and_addresses_tcp_takes(pair: tuple[Any, Any]) -> None:
+    """What Linux TCP and the kernel's AF_SMC take on a connected stream: ``MSG_MORE``,
+    ``MSG_EOR`` and ``MSG_CONFIRM`` on a send, ``sendto``/``sendmsg`` with an address (ignored),
+    ``MSG_CMSG_CLOEXEC`` on a read, and ``MSG_TRUNC`` (the bytes are read, not copied). Each
+    raised ``EOPNOTSUPP`` or ``EISCONN`` on SMC."""
+    a, b = pair
+    peer = a.getpeername()
+    assert a.send(b"ab", socket.MSG_MORE) == 2
+    assert a.send(b"cd", socket.MSG_EOR | socket.MSG_CONFIRM) == 2
+    assert a.sendto(b"ef", peer) == 2
+    assert a.sendto(b"gh", socket.MSG_NOSIGNAL, ("192.0.2.1", 9)) == 2
+    assert a.sendmsg([b"ij"], [], 0, peer) == 2
+    a.sendall(b"kl", socket.MSG_MORE)
+    a.send(b"!")  # (TCP: the end of the cork)
+    assert recv_exactly(b, 2) == b"ab"
+    data, anc, _flags, _addr = b.recvmsg(2, 0, socket.MSG_CMSG_CLOEXEC | socket.MSG_WAITALL)
+    assert (data, anc) == (b"cd", [])
+    assert len(b.recv(2, socket.MSG_TRUNC | socket.MSG_WAITALL)) == 2  # "ef", dropped
+    buf = bytearray(b"..")
+    assert b.recv_into(buf, 2, socket.MSG_TRUNC | socket.MSG_WAITALL) == 2  # "gh", dropped
+    if isinstance(b, SmcSocket) and b.mode == "smcd":
+        assert buf == bytearray(b"..")  # not copied (TCP's too, on Linux)
+    assert recv_exactly(b, 5) == b"ijkl!"
+
+
 def test_select_and_selectors(pair: tuple[Any, Any]) -> None:
     import select
 
