@@ -72,9 +72,9 @@ descriptor column is the exact ``SCM_RIGHTS`` list, in order; any other count is
     GID alone. Replies: CHANNEL, FALLBACK, ERROR.
 ``ACCEPT`` 0x02 — the server half of an accepted TCP socket. fds: ``[tcp]``.
     body: ``dmb_size u32``. The daemon ``MSG_PEEK``\\ s for a CLC Proposal eyecatcher with a
-    bounded wait (config ``timeouts.proposal_wait``); a plain TCP client (including one that
-    sends nothing first) is handed back untouched with FALLBACK. Replies: CHANNEL, FALLBACK,
-    ERROR.
+    bounded wait (config ``timeouts.proposal_wait``, ``local_client_wait`` for a client on the
+    same host); a plain TCP client (including one that sends nothing first) is handed back
+    untouched with FALLBACK. Replies: CHANNEL, FALLBACK, ERROR.
 ``LISTEN`` 0x03 — register an SMC-enabled listener for same-host clients. fds: ``[listener]``
     (the listening TCP socket itself, so the daemon reads its address with ``getsockname`` and
     checks ``SO_ACCEPTCONN`` instead of trusting a claimed address; it keeps no copy).

@@ -35,6 +35,8 @@ REPO_ENV = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
 """Environment for child processes: this checkout importable whatever the cwd."""
 PROPOSAL_WAIT = 0.3
 """timeouts.proposal_wait of the test daemon: how long a server half waits for a Proposal."""
+LOCAL_CLIENT_WAIT = 0.25
+"""timeouts.local_client_wait of the test daemon: the same, for a client on this host."""
 
 APP = r"""
 import hashlib, json, random, socket, sys, time
@@ -233,6 +235,7 @@ class Smcd:
             f'[dbus]\nbus = "{self.address}"\n'
             '[eid]\nueids = ["SMCD-E2E"]\n'
             f"[timeouts]\nproposal_wait = {PROPOSAL_WAIT}\n"
+            f"local_client_wait = {LOCAL_CLIENT_WAIT}\n"
             f"{extra}"
         )
 

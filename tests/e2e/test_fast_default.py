@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+import smc_handoff
 from smcd_daemon.demo import PrivateSmcd
 from tests.control.daemon_proc import SMCD, NotifySocket, SmcdProcess, sh
 
@@ -514,9 +516,7 @@ sock.close()  # the parent's unused copy lets go quietly: the child's exit ends 
 
 
 @pytest.mark.parametrize("how", ["exit", "kill", "fork"])
-def test_a_process_that_ends_without_closing_closes_as_on_tcp(
-    nocfg: PrivateSmcd, how: str
-) -> None:
+def test_a_process_that_ends_without_closing_closes_as_on_tcp(nocfg: PrivateSmcd, how: str) -> None:
     """A client that exits without close() (``os._exit``, SIGKILL, a forked child that
     ``os._exit``s): the kernel closes a dead process's sockets, so on TCP the server reads
     everything, then EOF. On SMC the same, by the close the kernel's ``smc_close_final`` makes
@@ -1075,3 +1075,64 @@ def test_wrapping_a_connection_smc_run_offered_hands_it_off_once(nocfg: PrivateS
     assert client.returncode == 0 and client.stdout == "WRAP OK\n", client.stderr
     assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
     assert server.returncode == 0 and _modes(serr) == [("accept", "smcd", None)], serr
+
+
+BANNER_SERVER = r"""
+import socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    conn, _ = lsock.accept()
+    conn.sendall(b"220 ready\r\n")  # the server speaks first (SMTP, FTP, POP3...)
+    assert conn.recv(100) == b"QUIT\r\n"
+    conn.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def long_proposal_wait() -> Iterator[PrivateSmcd]:
+    """No configuration but a proposal_wait far past any test's patience."""
+    daemon = PrivateSmcd(config_text="[timeouts]\nproposal_wait = 60.0\n", name="localwait")
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.cleanup()
+
+
+def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local_wait(
+    long_proposal_wait: PrivateSmcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client on this host that does not use smcd (``nc``, another language, a program
+    without smc-run) and waits for the server's banner: the server half waits for its Proposal
+    only ``timeouts.local_client_wait`` (a client half of ours arrives right after its
+    ``connect()``), not ``proposal_wait`` (here 60 s: every banner used to wait it out). Then a
+    client of ours that hands its socket over only after that wait: both ends fall back before
+    any CLC byte, and the banner is intact."""
+    env = _env(long_proposal_wait)
+    for key, value in long_proposal_wait.env.items():  # this process's smc_handoff.wrap too
+        monkeypatch.setenv(key, value)
+    server = subprocess.Popen(_smc_run(env, BANNER_SERVER), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline().split()[1])
+        plain = socket.create_connection(("127.0.0.1", port), timeout=20)
+        assert plain.recv(100) == b"220 ready\r\n"
+        plain.sendall(b"QUIT\r\n")
+        plain.close()
+        late = socket.create_connection(("127.0.0.1", port), timeout=20)
+        time.sleep(0.6)  # past local_client_wait (0.2 s): the server half fell back
+        late = smc_handoff.wrap(late)
+        assert late.mode == "tcp" and late.fallback is not None, late
+        assert late.fallback.code == 0x03010000, late.fallback  # PEERNOSMC, before any CLC
+        assert late.recv(100) == b"220 ready\r\n"
+        late.sendall(b"QUIT\r\n")
+        late.close()
+        _, serr = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert server.returncode == 0, serr
+    modes = _modes(serr)
+    assert [m[:2] for m in modes] == [("accept", "tcp")] * 2, serr
+    assert "timeouts.local_client_wait" in serr, serr

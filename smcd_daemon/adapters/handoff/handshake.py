@@ -527,8 +527,16 @@ class Handshakes:
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
         # a client whose SYN carried the option sends CLC (a Proposal, or a Decline when it
         # falls back): wait for it as the kernel does, up to the CLC timer (#11)
-        wait = srv.cfg.timeouts.clc_wait if detected else srv.cfg.timeouts.proposal_wait
+        timeouts = srv.cfg.timeouts
+        wait = timeouts.clc_wait if detected else timeouts.proposal_wait
+        local = detected is None and self._same_host(client, tcp) and not proposing
+        if local and timeouts.local_client_wait < wait:
+            wait = timeouts.local_client_wait
         seen = await peek_proposal(tcp, wait)
+        if seen.kind == "silent" and local:
+            # A client half whose CONNECT the loop read in the turn our timer fired starts on
+            # the next turn: let it, so that a stalled loop does not cost that pair its SMC.
+            await asyncio.sleep(0)
         if seen.kind == "silent" and (self.arrivals.proposed(key) or srv.backlogged()):
             # our client half is proposing right now (it saw us here), or may still wait in
             # the daemon's listen queue (a busy daemon): wait for it, up to the CLC timer
@@ -537,6 +545,8 @@ class Handshakes:
             timer = (
                 "timeouts.clc_wait: its SYN carried the option"
                 if detected
+                else "timeouts.local_client_wait: a client on this host"
+                if wait == timeouts.local_client_wait and local
                 else "timeouts.proposal_wait"
             )
             detail = {
@@ -559,6 +569,15 @@ class Handshakes:
             why = self._why_no_smcr(tcp)
             out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
         return out
+
+    def _same_host(self, client: Client, tcp: BorrowedTcp) -> bool:
+        """Is the client of this accepted connection on this host: a loopback address, or an
+        address of this daemon's namespace while the server is in it too?"""
+        ip = endpoint(tcp.peer)[0]
+        if self._ip_text(ip)[1]:
+            return True
+        ns = self._netns(client)
+        return ns is not None and ns[0] == _OWN_NETNS and self._srv.local_addresses.is_local(ip)
 
     def reply_fallback(
         self, client: Client, draft: Draft, outcome: FallbackOutcome, *, aborted: bool = False
