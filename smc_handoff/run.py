@@ -357,7 +357,7 @@ def _patch_fd_calls(fcntl: Any) -> None:
     read, write, ioctl = os.read, os.write, fcntl.ioctl
     if getattr(read, "_smc_fd", False):
         return
-    by_fd = _smc_socket._by_fd
+    by_fd = _smc_socket.by_fileno
 
     @functools.wraps(read)
     def smc_read(fd: int, n: int, /) -> bytes:

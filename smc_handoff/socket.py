@@ -131,7 +131,7 @@ def is_eventfd(fd: int) -> bool:
         return False
 
 
-_by_fd: dict[int, list[weakref.ref[SmcSocket]]] = {}
+by_fileno: dict[int, list[weakref.ref[SmcSocket]]] = {}
 """The SMC connections of this process by their ``fileno()`` (the channel's eventfd number),
 for the calls that take a bare number: ``os.read``/``os.write``/``fcntl.ioctl`` (smc-run's
 :func:`smc_handoff.run.install`). Kept as the handoff and ``dup()`` make sockets; a closed
@@ -141,7 +141,7 @@ socket's entry goes with its close (a collected one's dead reference at the next
 def connection_at(fd: int) -> SmcSocket | None:
     """The SMC connection whose ``fileno()`` is ``fd`` (not a copy of it: ``os.dup``), None
     if there is none."""
-    refs = _by_fd.get(fd)
+    refs = by_fileno.get(fd)
     if refs is None:
         return None
     for ref in refs:
@@ -154,19 +154,19 @@ def connection_at(fd: int) -> SmcSocket | None:
 
 def _index(sock: SmcSocket, smc: _Smc) -> None:
     smc.fd = smc.channel.event_fd()
-    _by_fd.setdefault(smc.fd, []).append(weakref.ref(sock))
+    by_fileno.setdefault(smc.fd, []).append(weakref.ref(sock))
 
 
 def _unindex(fd: int) -> None:
     """Drop the references to ``fd`` of sockets that are gone or no longer on its channel."""
-    refs = _by_fd.get(fd)
+    refs = by_fileno.get(fd)
     if refs is None:
         return
     keep = [r for r in refs if (o := r()) is not None and o._smc is not None]
     if keep:
-        _by_fd[fd] = keep
+        by_fileno[fd] = keep
     else:
-        del _by_fd[fd]
+        del by_fileno[fd]
 
 
 def _ebadf() -> OSError:

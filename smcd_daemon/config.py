@@ -469,9 +469,10 @@ class TimeoutsConfig(_Section):
     local_client_wait: Seconds = _doc(
         f"must be a number of seconds, {_SECONDS_LE}", default=0.2, gt=0, le=MAX_TIMEOUT
     )
-    """``proposal_wait`` for a client on this host while peer detection is off: a client that
-    hands its connection to smcd does so right after ``connect()``, so a plain TCP client (one
-    that waits for the server to speak first) is told apart sooner (the smaller of the two)."""
+    """``proposal_wait`` for a client on this host that is not in ``peers``, while peer
+    detection is off: a client that hands its connection to smcd does so right after
+    ``connect()``, so a plain TCP client (one that waits for the server to speak first) is told
+    apart sooner (the smaller of the two)."""
     first_llc: Seconds = _doc(
         f"must be a number of seconds, {_SECONDS_LE}", default=5.0, gt=0, le=MAX_TIMEOUT
     )

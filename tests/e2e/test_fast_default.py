@@ -1136,3 +1136,33 @@ def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local
     modes = _modes(serr)
     assert [m[:2] for m in modes] == [("accept", "tcp")] * 2, serr
     assert "timeouts.local_client_wait" in serr, serr
+
+
+def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:
+    """A configured peer on this host may be another SMC stack (hosts simulated in one
+    namespace, as the Soft-RoCE VM tests run two daemons), whose Proposal comes when that stack
+    sends it: its server half waits all of ``proposal_wait``, not ``local_client_wait``."""
+    daemon = PrivateSmcd(
+        config_text='peers = ["127.0.0.0/8"]\n[timeouts]\nproposal_wait = 0.5\n', name="localpeer"
+    )
+    try:
+        daemon.start()
+        env = _env(daemon)
+        server = subprocess.Popen(_smc_run(env, BANNER_SERVER), env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            assert server.stdout is not None
+            port = int(server.stdout.readline().split()[1])
+            for _ in range(2):
+                plain = socket.create_connection(("127.0.0.1", port), timeout=20)
+                assert plain.recv(100) == b"220 ready\r\n"
+                plain.sendall(b"QUIT\r\n")
+                plain.close()
+            _, serr = server.communicate(timeout=30)
+        finally:
+            server.kill()
+    finally:
+        daemon.cleanup()
+    assert [m[:2] for m in _modes(serr)] == [("accept", "tcp")] * 2, serr
+    assert "within 0.5 s (timeouts.proposal_wait)" in serr, serr
+    assert "local_client_wait" not in serr, serr

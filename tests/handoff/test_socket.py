@@ -1184,7 +1184,7 @@ def test_the_connection_at_a_fileno_follows_dups_and_closes(daemon: MiniDaemon) 
     a.close()
     assert smc_socket.connection_at(fd) is twin
     twin.close()
-    assert smc_socket.connection_at(fd) is None and fd not in smc_socket._by_fd
+    assert smc_socket.connection_at(fd) is None and fd not in smc_socket.by_fileno
     b.close()
     assert smc_socket.connection_at(-1) is None
 

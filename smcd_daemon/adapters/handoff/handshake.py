@@ -571,9 +571,13 @@ class Handshakes:
         return out
 
     def _same_host(self, client: Client, tcp: BorrowedTcp) -> bool:
-        """Is the client of this accepted connection on this host: a loopback address, or an
-        address of this daemon's namespace while the server is in it too?"""
+        """Is the client of this accepted connection on this host (a loopback address, or an
+        address of this daemon's namespace while the server is in it too) and not a configured
+        peer? A peer in ``peers`` may be another SMC stack on this host (simulated hosts in one
+        namespace, the kernel's AF_SMC), whose Proposal comes when it comes."""
         ip = endpoint(tcp.peer)[0]
+        if self._srv.cfg.peers and configured_peer(self._srv.cfg.peers, ip) is not None:
+            return False
         if self._ip_text(ip)[1]:
             return True
         ns = self._netns(client)
