@@ -20,8 +20,6 @@ import random
 import select
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from smc_handoff.socket import SmcSocket
 
 from .test_socket import MiniDaemon, tcp_pair, wrapped_pair
+from .test_socket import daemon as daemon  # the fixture: a MiniDaemon for the test
 
 SIDES = st.sampled_from([0, 1])
 # Small reads and writes mostly, some larger than the 64 KiB ring to wrap and fill it.
@@ -282,14 +281,6 @@ class StreamModel(RuleBasedStateMachine):
             raise AssertionError(f"read {extra!r} past everything sent")
 
 
-@pytest.fixture
-def handoff_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MiniDaemon]:
-    d = MiniDaemon(tmp_path / "h.sock")
-    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", str(d.path))
-    yield d
-    d.stop()
-
-
 RUNS = settings(
     max_examples=int(os.environ.get("SOCKET_MODEL_EXAMPLES", "60")),
     stateful_step_count=40,
@@ -301,7 +292,7 @@ RUNS = settings(
 
 
 @pytest.mark.parametrize("kind", ["tcp", "smcd"])
-def test_random_calls_keep_to_the_stream_model(kind: str, handoff_daemon: MiniDaemon) -> None:
+def test_random_calls_keep_to_the_stream_model(kind: str, daemon: MiniDaemon) -> None:
     """The model on a kernel TCP pair (the reference) and on an SMC pair (strictly)."""
     machine = type(f"StreamModel_{kind}", (StreamModel,), {"kind": kind})
     run = machine.TestCase
@@ -309,7 +300,7 @@ def test_random_calls_keep_to_the_stream_model(kind: str, handoff_daemon: MiniDa
     run().runTest()
 
 
-def test_eagain_is_an_error_not_an_empty_read(handoff_daemon: MiniDaemon) -> None:
+def test_eagain_is_an_error_not_an_empty_read(daemon: MiniDaemon) -> None:
     """The model's EAGAIN (None) and EOF (b'') are told apart as a socket tells them."""
     a, b = wrapped_pair()
     try:
