@@ -359,16 +359,19 @@ def _patch_fd_calls(fcntl: Any) -> None:
         return
     by_fd = _smc_socket.by_fileno
 
+    def connection(fd: int) -> SmcSocket | None:
+        return connection_at(fd) if fd in by_fd else None
+
     @functools.wraps(read)
     def smc_read(fd: int, n: int, /) -> bytes:
-        if by_fd and fd in by_fd and (sock := connection_at(fd)) is not None:
+        if by_fd and (sock := connection(fd)) is not None:
             return sock.fd_read(n)
         data: bytes = read(fd, n)
         return data
 
     @functools.wraps(write)
     def smc_write(fd: int, data: Any, /) -> int:
-        if by_fd and fd in by_fd and (sock := connection_at(fd)) is not None:
+        if by_fd and (sock := connection(fd)) is not None:
             return sock.fd_write(data)
         n: int = write(fd, data)
         return n
@@ -377,8 +380,8 @@ def _patch_fd_calls(fcntl: Any) -> None:
     def smc_ioctl(fd: Any, request: int, arg: Any = 0, mutate_flag: bool = True, /) -> Any:
         if by_fd:
             sock = fd if isinstance(fd, SmcSocket) else None
-            if sock is None and isinstance(fd, int) and fd in by_fd:
-                sock = connection_at(fd)
+            if sock is None and isinstance(fd, int):
+                sock = connection(fd)
             value = sock.fd_ioctl(request) if sock is not None else None
             if value is not None:
                 return _ioctl_answer(value, arg, mutate_flag)

@@ -197,15 +197,22 @@ class Pair:
                 p.wait()
 
 
-@pytest.fixture(scope="module")
-def nocfg() -> Iterator[PrivateSmcd]:
-    """A private smcd started with no configuration file: its embedded defaults."""
-    daemon = PrivateSmcd(config_text="", name="fastdefault")
+@contextlib.contextmanager
+def _started(config_text: str, name: str) -> Iterator[PrivateSmcd]:
+    """A private smcd with ``config_text`` ("": none), stopped and removed afterwards."""
+    daemon = PrivateSmcd(config_text=config_text, name=name)
     try:
         daemon.start()
         yield daemon
     finally:
         daemon.cleanup()
+
+
+@pytest.fixture(scope="module")
+def nocfg() -> Iterator[PrivateSmcd]:
+    """A private smcd started with no configuration file: its embedded defaults."""
+    with _started("", "fastdefault") as daemon:
+        yield daemon
 
 
 def _env(daemon: PrivateSmcd) -> dict[str, str]:
@@ -1092,12 +1099,8 @@ for _ in range(2):
 @pytest.fixture(scope="module")
 def long_proposal_wait() -> Iterator[PrivateSmcd]:
     """No configuration but a proposal_wait far past any test's patience."""
-    daemon = PrivateSmcd(config_text="[timeouts]\nproposal_wait = 60.0\n", name="localwait")
-    try:
-        daemon.start()
+    with _started("[timeouts]\nproposal_wait = 60.0\n", "localwait") as daemon:
         yield daemon
-    finally:
-        daemon.cleanup()
 
 
 def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local_wait(
@@ -1142,12 +1145,8 @@ def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:
     """A configured peer on this host may be another SMC stack (hosts simulated in one
     namespace, as the Soft-RoCE VM tests run two daemons), whose Proposal comes when that stack
     sends it: its server half waits all of ``proposal_wait``, not ``local_client_wait``."""
-    daemon = PrivateSmcd(
-        config_text='peers = ["127.0.0.0/8"]\n[timeouts]\nproposal_wait = 0.5\n', name="localpeer"
-    )
-    try:
-        daemon.start()
-        env = _env(daemon)
+    with _started('peers = ["127.0.0.0/8"]\n[timeouts]\nproposal_wait = 0.5\n', "localpeer") as d:
+        env = _env(d)
         server = subprocess.Popen(_smc_run(env, BANNER_SERVER), env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         try:
@@ -1161,8 +1160,6 @@ def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:
             _, serr = server.communicate(timeout=30)
         finally:
             server.kill()
-    finally:
-        daemon.cleanup()
     assert [m[:2] for m in _modes(serr)] == [("accept", "tcp")] * 2, serr
     assert "within 0.5 s (timeouts.proposal_wait)" in serr, serr
     assert "local_client_wait" not in serr, serr
