@@ -780,6 +780,18 @@ class Channel(ChannelBase):
             self._disarm(self._wd)
             self._disarm(self._ws)
 
+    @property
+    def claimed_elsewhere(self) -> bool:
+        """A copy after a fork that another process has claimed: its view of the rings is
+        stale, and a request it armed would take the owner's kicks."""
+        return self._fence and self._claimed_elsewhere()
+
+    def disarm_space(self) -> None:
+        """Withdraw the request of :meth:`arm_space` only (a poll for writing that is over,
+        on an end whose data request level mode keeps)."""
+        if not self._closed:
+            self._disarm(self._ws)
+
     # ---------------------------------------------------------------------- observability
 
     def fileno(self) -> int:
@@ -787,7 +799,8 @@ class Channel(ChannelBase):
         also a peer's death, which a small per-process thread turns into a kick. Calling this
         switches the channel to *level mode*: it then keeps itself armed whenever nothing is
         pending, so the peer kicks on every empty→non-empty transition. The fd always polls
-        writable (an eventfd); check :meth:`writable` after a short send. A copy after a fork
+        writable (an eventfd); check :meth:`writable` after a short send (smc-run's
+        ``select``/``poll``/``epoll`` do: :mod:`smc_handoff.readiness`). A copy after a fork
         that another process has claimed keeps no readiness (its view of the ring is stale: a
         CGI server's parent polls its copy while the script's relay owns the connection);
         should this process claim it later, level mode starts then. Unclaimed since the fork,

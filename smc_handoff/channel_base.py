@@ -22,6 +22,7 @@ from _socket import SOCK_SEQPACKET as _SOCK_SEQPACKET
 from _socket import socket as _CSocket
 from collections.abc import Callable
 from dataclasses import dataclass
+from select import poll as _poll  # the real one: smc-run's readiness wrappers come later
 from typing import Any, Self
 
 from smc_handoff import layout
@@ -624,12 +625,12 @@ class ChannelBase:
         if on_link:
             poller = self._link_poller
             if poller is None:
-                poller = self._link_poller = select.poll()
+                poller = self._link_poller = _poll()
                 poller.register(self._link_fd, select.POLLIN)
         else:
             poller = self._efd_poller
             if poller is None:
-                poller = self._efd_poller = select.poll()
+                poller = self._efd_poller = _poll()
                 poller.register(self._rx_efd, select.POLLIN)
                 poller.register(self._link_fd, 0)
         return poller
@@ -708,7 +709,7 @@ class ChannelBase:
                     return
             poller = self._level_poller
             if poller is None:
-                poller = self._level_poller = select.poll()
+                poller = self._level_poller = _poll()
                 poller.register(self._rx_efd, select.POLLIN)
             if not poller.poll(0):  # look, do not infer: a drain may race a kick
                 os.eventfd_write(self._rx_efd, 1)
@@ -784,13 +785,13 @@ class ChannelBase:
             try:
                 poller = self._hup_poller
                 if poller is None:
-                    poller = self._hup_poller = select.poll()
+                    poller = self._hup_poller = _poll()
                     poller.register(self._link_fd, 0)
                 gone = poller.poll(0)
             finally:
                 self._hup_lock.release()
         else:
-            poller = select.poll()
+            poller = _poll()
             poller.register(self._link_fd, 0)
             gone = poller.poll(0)
         if not gone:

@@ -9,7 +9,8 @@ hands each connection off (server half). Everything the stdlib builds on ``socke
 follows: ``socket.create_connection`` (``http.client``, ``urllib``, ``smtplib``...),
 ``socketserver`` (``http.server``, ``xmlrpc.server``...), and direct ``socket()`` users. The
 upgraded object is still a ``socket.socket`` (``makefile``, ``sendall``, timeouts, ``select``,
-``getpeername``... behave as before). Child Python processes inherit the upgrade.
+``getpeername``... behave as before; ``select``, ``poll`` and ``epoll`` see a connection writable
+only with room: :mod:`smc_handoff.readiness`). Child Python processes inherit the upgrade.
 
 asyncio's connections are upgraded too, when the program imports :mod:`asyncio`
 (:mod:`smc_handoff.aio_loop`: ``create_connection``/``create_server`` with any protocol, streams,
@@ -33,6 +34,7 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import select
 import shutil
 import socket as _socket
 import struct
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smc_handoff import messages, peer_option
+from smc_handoff import messages, peer_option, readiness
 from smc_handoff import socket as _smc_socket
 from smc_handoff.handoff import Registration
 from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd
@@ -471,6 +473,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()
     _patch_fd_calls(fcntl)
+    readiness.install(select, sys.modules.get("selectors"))
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

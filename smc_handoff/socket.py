@@ -628,6 +628,38 @@ class SmcSocket(_BaseSocket):
             return None
         return smc.channel.unread() if request == _SIOCINQ else 0
 
+    def poll_room(self) -> int | None:
+        """Before a poll of ``fileno()`` for writing (smc-run's ``select``, ``poll`` and
+        ``epoll``; the eventfd itself always polls writable): None when a send would not wait
+        now (room in the peer's ring, or an error or a shutdown that the send raises), else a
+        descriptor to poll for *reading* in its place, which the peer's reader makes readable
+        once it has freed half of its ring, as it wakes a blocking send (and which hangs up
+        when the peer is gone). Follow the poll with :meth:`poll_room_done`."""
+        smc = self._smc
+        if smc is None:
+            return None
+        ch = smc.channel
+        try:
+            if ch.claimed_elsewhere:  # not ours to wait on: the eventfd's answer, as before
+                return None
+            return ch.kick_fd() if ch.arm_space() else None
+        except OSError:  # closed meanwhile: the send raises
+            return None
+
+    def poll_room_done(self) -> bool:
+        """After that poll: the request withdrawn and its kick taken. True when a send would
+        not wait now."""
+        smc = self._smc
+        if smc is None:
+            return True
+        ch = smc.channel
+        ch.drain_kicks()
+        ch.disarm_space()
+        try:
+            return ch.writable()
+        except OSError:
+            return True
+
     def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
         if self._live() is None:
             if self._clc_guard:

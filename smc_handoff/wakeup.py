@@ -15,6 +15,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from select import epoll as _epoll  # the real one: smc-run's readiness wrappers come later
 
 __all__ = [
     "SPIN_BACKOFF_MAX_NS",
@@ -216,7 +217,7 @@ class LinkWatcher:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._ep = select.epoll()
+        self._ep = _epoll()
         self._lock = threading.Lock()
         self._links: dict[int, int] = {}
         thread = threading.Thread(target=self._run, name="smc-channel-links", daemon=True)

@@ -857,6 +857,83 @@ def test_os_read_write_and_fionread_on_the_descriptor_act_on_the_connection(
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+SLOW_READER = r"""
+import hashlib, socket, time
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+digest, total = hashlib.sha256(), 0
+while data := conn.recv(65536):
+    digest.update(data)
+    total += len(data)
+    time.sleep(0.0005)  # a reader slower than its writer
+conn.close()
+print("READ", total, digest.hexdigest(), flush=True)
+"""
+
+SELECTORS_WRITER = r"""
+import hashlib, os, select, selectors, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.setblocking(False)
+data = os.urandom(1 << 20) * 24
+view, waits, idle = memoryview(data), 0, 0
+for sel in (selectors.DefaultSelector(), selectors.SelectSelector()):
+    sel.register(sock, selectors.EVENT_WRITE)
+    end = len(view) // 2 if waits == 0 else 0
+    while len(view) > end:
+        try:
+            view = view[sock.send(view[:65536]):]
+        except BlockingIOError:
+            assert sel.select(30), "no room within 30 s"
+            waits += 1
+            try:
+                view = view[sock.send(view[:65536]):]
+            except BlockingIOError:
+                idle += 1  # woken without room: a spin
+    sel.close()
+sock.setblocking(True)
+sock.close()
+digest = hashlib.sha256(data).hexdigest()
+print("WROTE", len(data), digest, "WAITS", waits, "IDLE", idle, flush=True)
+"""
+
+
+def test_a_non_blocking_writer_waits_for_room_instead_of_spinning(nocfg: PrivateSmcd) -> None:
+    """A stdlib program that writes non-blocking and waits in ``selectors`` for ``EVENT_WRITE``
+    (epoll, then select) when a send meets a full buffer, to a reader slower than it: on TCP
+    (the oracle) and under smc-run, every byte arrives, the writer waits, and a wait ends only
+    with room. Before smc-run's readiness wrappers, an SMC connection's ``fileno()`` (an
+    eventfd) polled writable at once: every wait found no room, ~300,000 of them for these
+    24 MiB, a CPU burnt until the reader caught up."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(nocfg)
+    results = []
+    for kind in ("tcp", "smcd"):
+        if kind == "tcp":
+            server = subprocess.Popen([*plain, SLOW_READER], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+            try:
+                assert server.stdout is not None
+                port = server.stdout.readline().split()[1]
+                client = subprocess.run([*plain, SELECTORS_WRITER, port], capture_output=True,
+                                        text=True, env=env, timeout=120)  # fmt: skip
+                sout, serr = server.communicate(timeout=60)
+            finally:
+                server.kill()
+        else:
+            client, sout, serr = _talk(nocfg, SLOW_READER, SELECTORS_WRITER)
+            assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+            assert _modes(serr) == [("accept", "smcd", None)], serr
+        assert client.returncode == 0, (kind, client.stderr, serr)
+        wrote = client.stdout.split()
+        assert wrote[0] == "WROTE", (kind, wrote)
+        assert sout.split() == ["READ", wrote[1], wrote[2]], (kind, wrote, sout)
+        waits, idle = int(wrote[4]), int(wrote[6])
+        results.append((kind, waits, idle))
+        assert waits >= 1, results  # the reader was the slower side: the writer waited
+        assert idle <= 2 + waits // 50, results  # each wait ended with room
+
+
 PICKLING_SERVER = r"""
 import multiprocessing, os, socket, sys, tempfile  # pickling-server-marker
 def serve(c):  # in a worker: echo until EOF

@@ -1,0 +1,318 @@
+"""Write readiness of SMC connections for ``select``, ``poll`` and ``epoll`` (smc-run).
+
+An SMC connection's ``fileno()`` is its channel's eventfd, which the library keeps readable
+exactly while data, EOF or an abort waits to be read. For writing it cannot say anything: an
+eventfd always polls writable. A non-blocking program that waits for ``EVENT_WRITE`` after a
+send met a full ring (``EAGAIN``) was therefore woken at once, over and over, burning a CPU until
+the peer read: the busy wait that the kernel's AF_SMC avoids by polling writable only with room
+in the send buffer (``smc_poll``), as TCP does.
+
+smc-run replaces ``select.select``, ``select.poll`` and ``select.epoll`` (and so every
+``selectors`` selector) by the wrappers here. Where a poll asks for writing on an SMC connection's
+``fileno()`` and the peer's ring has no room, the wrapper polls that connection's peer link for
+reading in its place, after asking the peer's reader to kick the link once it has freed half of
+its ring (:meth:`SmcSocket.poll_room`: the request a blocking send sleeps on). The poll then
+sleeps until that kick, the peer's death (the link hangs up) or another descriptor's event, and
+reports the connection writable when a send would not wait. With room, or an error a send would
+raise, it is reported writable at once. Reading is untouched (the eventfd's level mode), and so is
+every descriptor that is not an SMC connection's ``fileno()``: a poll that asks nothing of one
+for writing costs one dictionary look more.
+
+Not translated: ``epoll`` registrations with ``EPOLLET`` or ``EPOLLONESHOT`` (their single
+reports cannot be emulated by a wrapper that reports room without an event): they poll writable
+as before. ``EPOLLRDHUP`` is not reported for a peer's shutdown (an eventfd has no such state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select as _select
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from smc_handoff.socket import SmcSocket, by_fileno, connection_at
+
+__all__ = ["SmcEpoll", "SmcPoll", "install", "smc_select"]
+
+_IN = _select.POLLIN
+_OUT = _select.POLLOUT
+_UNTRANSLATED = _select.EPOLLET | _select.EPOLLONESHOT
+_real_select = _select.select
+_real_poll = _select.poll
+_real_epoll = _select.epoll
+_POLL_DEFAULT = _select.POLLIN | _select.POLLPRI | _select.POLLOUT
+_EPOLL_DEFAULT = _select.EPOLLIN | _select.EPOLLPRI | _select.EPOLLOUT
+
+
+def _fd(obj: Any) -> int:
+    """The descriptor number of what a poll was given (a number or an object's ``fileno()``);
+    -1 when it has none (the real call then raises what it raises)."""
+    if isinstance(obj, int):
+        return obj
+    try:
+        fd = obj.fileno()
+    except Exception:
+        return -1
+    return fd if isinstance(fd, int) else -1
+
+
+def _smc(fd: int) -> SmcSocket | None:
+    return connection_at(fd) if fd in by_fileno else None
+
+
+class _Rooms:
+    """The SMC connections one poll asked for writing: those with room now, and those whose
+    link it polls in their place until the peer frees room."""
+
+    def __init__(self) -> None:
+        self.ready: list[int] = []
+        self.waiting: list[tuple[int, SmcSocket, int]] = []  # (fd, connection, link)
+
+    def ask(self, fd: int, sock: SmcSocket) -> int | None:
+        """The link to poll for ``fd``'s room; None when it has room now (``ready``)."""
+        link = sock.poll_room()
+        if link is None:
+            self.ready.append(fd)
+        else:
+            self.waiting.append((fd, sock, link))
+        return link
+
+    def done(self) -> set[int]:
+        """After the poll: every asked descriptor with room (or an error) now."""
+        room = set(self.ready)
+        for fd, sock, _ in self.waiting:
+            if sock.poll_room_done():
+                room.add(fd)
+        return room
+
+    @property
+    def links(self) -> set[int]:
+        return {link for _, _, link in self.waiting}
+
+
+class _Select:
+    """``select.select``: an SMC connection in ``wlist`` is returned writable only with room.
+
+    An object, not a function: :mod:`selectors` keeps ``select.select`` as a class attribute
+    (``SelectSelector._select``), where a function would be bound as a method."""
+
+    def __call__(
+        self,
+        rlist: Iterable[Any],
+        wlist: Iterable[Any],
+        xlist: Iterable[Any],
+        timeout: float | None = None,
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        if not by_fileno:
+            return _real_select(rlist, wlist, xlist, timeout)
+        wlist = list(wlist)
+        smc = [(obj, fd, sock) for obj in wlist if (sock := _smc(fd := _fd(obj))) is not None]
+        if not smc:
+            return _real_select(rlist, wlist, xlist, timeout)
+        rooms = _Rooms()
+        links: list[int] = []
+        ours = {id(obj) for obj, _, _ in smc}
+        for _obj, fd, sock in smc:
+            link = rooms.ask(fd, sock)
+            if link is not None:
+                links.append(link)
+        rest = [obj for obj in wlist if id(obj) not in ours]
+        try:
+            r, w, x = _real_select([*rlist, *links], rest, xlist, 0 if rooms.ready else timeout)
+        finally:
+            room = rooms.done()
+        if links:
+            hidden = set(links)
+            r = [obj for obj in r if not (isinstance(obj, int) and obj in hidden)]
+        w.extend(obj for obj, fd, _ in smc if fd in room)
+        return r, w, x
+
+
+smc_select = _Select()
+
+
+class _Translated:
+    """What the poll and epoll wrappers share: the registrations that ask for writing, and
+    the real registration of an SMC connection's ``fileno()`` without ``POLLOUT``."""
+
+    def __init__(self) -> None:
+        self._out: dict[int, int] = {}  # fd → the program's mask, for masks with POLLOUT
+        self._real: dict[int, int] = {}  # fd → the mask registered, where it is not the program's
+
+    def _note(self, fd: int, mask: int) -> None:
+        self._real.pop(fd, None)
+        if mask & _OUT and not mask & _UNTRANSLATED:
+            self._out[fd] = mask
+        else:
+            self._out.pop(fd, None)
+
+    def _forget(self, fd: int) -> None:
+        self._out.pop(fd, None)
+        self._real.pop(fd, None)
+
+    def _set(self, fd: int, mask: int) -> None:
+        """Register ``mask`` for ``fd`` in the real poll (a subclass's)."""
+        raise NotImplementedError
+
+    def _rooms(self) -> tuple[_Rooms, list[int]] | None:
+        """Before the real poll: the SMC connections asked for writing, each registered for
+        reading only (its room comes by its link, registered here for reading: the links
+        returned). None when no registration asks an SMC connection for writing."""
+        rooms: _Rooms | None = None
+        links: list[int] = []
+        for fd, mask in self._out.items():
+            sock = _smc(fd)
+            if sock is None:
+                if fd in self._real:  # no longer a connection's fileno(): as registered
+                    self._set(fd, mask)
+                    del self._real[fd]
+                continue
+            if self._real.get(fd, mask) != mask & ~_OUT:
+                self._set(fd, mask & ~_OUT)
+                self._real[fd] = mask & ~_OUT
+            rooms = rooms or _Rooms()
+            link = rooms.ask(fd, sock)
+            if link is not None:
+                links.append(link)
+        return None if rooms is None else (rooms, links)
+
+    @staticmethod
+    def _merge(
+        events: Sequence[tuple[int, int]], room: set[int], hidden: set[int]
+    ) -> list[tuple[int, int]]:
+        """The real poll's events without our links', with ``POLLOUT`` for each connection with
+        room (an event of its own for one that had none)."""
+        out: list[tuple[int, int]] = []
+        for fd, ev in events:
+            if fd in hidden:
+                continue
+            if fd in room:
+                ev |= _OUT
+                room.discard(fd)
+            out.append((fd, ev))
+        out.extend((fd, _OUT) for fd in room)
+        return out
+
+
+class SmcPoll(_Translated):
+    """``select.poll()``: an SMC connection registered for ``POLLOUT`` polls writable only
+    with room."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._poll = _real_poll()
+
+    def register(self, fd: Any, eventmask: int = _POLL_DEFAULT) -> None:
+        self._poll.register(fd, eventmask)
+        self._note(_fd(fd), eventmask)
+
+    def modify(self, fd: Any, eventmask: int) -> None:
+        self._poll.modify(fd, eventmask)
+        self._note(_fd(fd), eventmask)
+
+    def unregister(self, fd: Any) -> None:
+        self._poll.unregister(fd)
+        self._forget(_fd(fd))
+
+    def _set(self, fd: int, mask: int) -> None:
+        self._poll.register(fd, mask)
+
+    def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+        asked = self._rooms() if self._out and by_fileno else None
+        if asked is None:
+            return self._poll.poll(timeout)
+        rooms, links = asked
+        for link in links:
+            self._poll.register(link, _IN)
+        try:
+            events = self._poll.poll(0 if rooms.ready else timeout)
+        finally:
+            for link in links:
+                with contextlib.suppress(KeyError):
+                    self._poll.unregister(link)
+            room = rooms.done()  # also when the poll raised: no request is left armed
+        return self._merge(events, room, set(links))
+
+
+class SmcEpoll(_Translated):
+    """``select.epoll``: an SMC connection registered for ``EPOLLOUT`` (level-triggered)
+    polls writable only with room."""
+
+    def __init__(self, sizehint: int = -1, flags: int = 0, *, _ep: Any = None) -> None:
+        super().__init__()
+        self._ep = _real_epoll(sizehint, flags) if _ep is None else _ep
+
+    @classmethod
+    def fromfd(cls, fd: int) -> SmcEpoll:
+        return cls(_ep=_real_epoll.fromfd(fd))
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._ep.closed)
+
+    def fileno(self) -> int:
+        return int(self._ep.fileno())
+
+    def close(self) -> None:
+        self._ep.close()
+        self._out.clear()
+        self._real.clear()
+
+    def __enter__(self) -> SmcEpoll:
+        self._ep.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def register(self, fd: Any, eventmask: int = _EPOLL_DEFAULT) -> None:
+        self._ep.register(fd, eventmask)
+        self._note(_fd(fd), eventmask)
+
+    def modify(self, fd: Any, eventmask: int) -> None:
+        self._ep.modify(fd, eventmask)
+        self._note(_fd(fd), eventmask)
+
+    def unregister(self, fd: Any) -> None:
+        self._ep.unregister(fd)
+        self._forget(_fd(fd))
+
+    def _set(self, fd: int, mask: int) -> None:
+        self._ep.modify(fd, mask)
+
+    def poll(self, timeout: float | None = -1, maxevents: int = -1) -> list[tuple[int, int]]:
+        asked = self._rooms() if self._out and by_fileno else None
+        if asked is None:
+            return self._ep.poll(timeout, maxevents)
+        rooms, links = asked
+        hidden: set[int] = set()
+        try:
+            for link in links:
+                try:
+                    self._ep.register(link, _IN)
+                except OSError:  # registered by the program itself: not ours to poll
+                    continue
+                hidden.add(link)
+            more = maxevents if maxevents <= 0 else maxevents + len(hidden)
+            events = self._ep.poll(0 if rooms.ready else timeout, more)
+        finally:
+            for link in hidden:
+                with contextlib.suppress(OSError):
+                    self._ep.unregister(link)
+            room = rooms.done()  # also when the poll raised: no request is left armed
+        out = self._merge(events, room, hidden)
+        return out if maxevents <= 0 else out[:maxevents]
+
+
+def install(select: Any, selectors: Any | None) -> None:
+    """Replace ``select``'s three calls by the wrappers (idempotent), and the selectors'
+    classes' when :mod:`selectors` was imported before (it binds them at import)."""
+    if select.select is smc_select:
+        return
+    select.select, select.poll, select.epoll = smc_select, SmcPoll, SmcEpoll
+    if selectors is not None:
+        if getattr(selectors.SelectSelector, "_select", None) is _real_select:
+            selectors.SelectSelector._select = smc_select
+        selectors.PollSelector._selector_cls = SmcPoll
+        if hasattr(selectors, "EpollSelector"):
+            selectors.EpollSelector._selector_cls = SmcEpoll
