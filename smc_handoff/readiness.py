@@ -164,8 +164,9 @@ class _Translated:
             sock = _smc(fd)
             if sock is None:
                 if fd in self._real:  # no longer a connection's fileno(): as registered
-                    self._set(fd, mask)
                     del self._real[fd]
+                    with contextlib.suppress(OSError):  # closed: the kernel dropped it
+                        self._set(fd, mask)
                 continue
             if self._real.get(fd, mask) != mask & ~_OUT:
                 self._set(fd, mask & ~_OUT)

@@ -325,3 +325,29 @@ def test_a_copy_another_process_claimed_after_a_fork_arms_nothing(
         os.close(wr)
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("how", ["poll", "epoll"])
+def test_a_connection_closed_while_registered_is_dropped_as_the_kernel_drops_it(
+    daemon: MiniDaemon, wrapped: None, how: str
+) -> None:
+    """Closed without being unregistered (its descriptor gone): the next poll does not fail,
+    and the other descriptors poll as before."""
+    a, b = wrapped_pair()
+    rd, wr = os.pipe()
+    p: Any = select.poll() if how == "poll" else select.epoll()
+    try:
+        fill(a)
+        p.register(a.fileno(), select.POLLOUT)
+        p.register(wr, select.POLLOUT)
+        assert p.poll(0) == [(wr, select.POLLOUT)]
+        a.close()
+        events = p.poll(0)
+        assert (wr, select.POLLOUT) in events, events
+        assert all(fd == wr or ev & select.POLLNVAL for fd, ev in events), events
+    finally:
+        if how == "epoll":
+            p.close()
+        os.close(rd)
+        os.close(wr)
+        b.close()
