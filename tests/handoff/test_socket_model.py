@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from smc_handoff import readiness
 from smc_handoff.socket import SmcSocket
 
 from .test_socket import MiniDaemon, tcp_pair, wrapped_pair
@@ -234,6 +235,25 @@ class StreamModel(RuleBasedStateMachine):
             f"select says {'readable' if ready else 'not readable'} with "
             f"{len(stream.pending)} bytes pending, shut={stream.shut}"
         )
+
+    @precondition(lambda self: self.strict)
+    @rule(side=SIDES)
+    def writable(self, side: int) -> None:
+        """smc-run's select (``smc_handoff.readiness``): writable exactly when a send takes a
+        byte or raises (the ring has room, or the end is shut)."""
+        stream, sock = self.streams[side], self.socks[side]
+        ready = bool(readiness.smc_select([], [sock], [], 0)[1])
+        try:
+            n = sock.send(b"w")
+        except BlockingIOError:
+            assert not ready, "select said writable, the send found no room"
+            return
+        except BrokenPipeError:
+            assert ready and stream.shut, "EPIPE where select said not writable"
+            return
+        assert ready, "select said not writable, the send took a byte"
+        assert n == 1 and not stream.shut
+        stream.sent += b"w"
 
     @invariant()
     def nothing_read_was_lost(self) -> None:
