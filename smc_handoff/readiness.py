@@ -135,9 +135,25 @@ class _Translated:
     """What the poll and epoll wrappers share: the registrations that ask for writing, and
     the real registration of an SMC connection's ``fileno()`` without ``POLLOUT``."""
 
-    def __init__(self) -> None:
+    _DEFAULT_MASK = 0
+
+    def __init__(self, real: Any) -> None:
+        self._p = real  # the poll or epoll object wrapped
         self._out: dict[int, int] = {}  # fd → the program's mask, for masks with POLLOUT
         self._real: dict[int, int] = {}  # fd → the mask registered, where it is not the program's
+
+    def register(self, fd: Any, eventmask: int | None = None) -> None:
+        mask = self._DEFAULT_MASK if eventmask is None else eventmask
+        self._p.register(fd, mask)
+        self._note(_fd(fd), mask)
+
+    def modify(self, fd: Any, eventmask: int) -> None:
+        self._p.modify(fd, eventmask)
+        self._note(_fd(fd), eventmask)
+
+    def unregister(self, fd: Any) -> None:
+        self._p.unregister(fd)
+        self._forget(_fd(fd))
 
     def _note(self, fd: int, mask: int) -> None:
         self._real.pop(fd, None)
@@ -199,21 +215,11 @@ class SmcPoll(_Translated):
     """``select.poll()``: an SMC connection registered for ``POLLOUT`` polls writable only
     with room."""
 
+    _DEFAULT_MASK = _POLL_DEFAULT
+
     def __init__(self) -> None:
-        super().__init__()
-        self._poll = _real_poll()
-
-    def register(self, fd: Any, eventmask: int = _POLL_DEFAULT) -> None:
-        self._poll.register(fd, eventmask)
-        self._note(_fd(fd), eventmask)
-
-    def modify(self, fd: Any, eventmask: int) -> None:
-        self._poll.modify(fd, eventmask)
-        self._note(_fd(fd), eventmask)
-
-    def unregister(self, fd: Any) -> None:
-        self._poll.unregister(fd)
-        self._forget(_fd(fd))
+        super().__init__(_real_poll())
+        self._poll = self._p
 
     def _set(self, fd: int, mask: int) -> None:
         self._poll.register(fd, mask)
@@ -221,7 +227,8 @@ class SmcPoll(_Translated):
     def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
-            return self._poll.poll(timeout)
+            passed: list[tuple[int, int]] = self._poll.poll(timeout)
+            return passed
         rooms, links = asked
         for link in links:
             self._poll.register(link, _IN)
@@ -239,9 +246,11 @@ class SmcEpoll(_Translated):
     """``select.epoll``: an SMC connection registered for ``EPOLLOUT`` (level-triggered)
     polls writable only with room."""
 
+    _DEFAULT_MASK = _EPOLL_DEFAULT
+
     def __init__(self, sizehint: int = -1, flags: int = 0, *, _ep: Any = None) -> None:
-        super().__init__()
-        self._ep = _real_epoll(sizehint, flags) if _ep is None else _ep
+        super().__init__(_real_epoll(sizehint, flags) if _ep is None else _ep)
+        self._ep = self._p
 
     @classmethod
     def fromfd(cls, fd: int) -> SmcEpoll:
@@ -266,25 +275,14 @@ class SmcEpoll(_Translated):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def register(self, fd: Any, eventmask: int = _EPOLL_DEFAULT) -> None:
-        self._ep.register(fd, eventmask)
-        self._note(_fd(fd), eventmask)
-
-    def modify(self, fd: Any, eventmask: int) -> None:
-        self._ep.modify(fd, eventmask)
-        self._note(_fd(fd), eventmask)
-
-    def unregister(self, fd: Any) -> None:
-        self._ep.unregister(fd)
-        self._forget(_fd(fd))
-
     def _set(self, fd: int, mask: int) -> None:
         self._ep.modify(fd, mask)
 
     def poll(self, timeout: float | None = -1, maxevents: int = -1) -> list[tuple[int, int]]:
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
-            return self._ep.poll(timeout, maxevents)
+            passed: list[tuple[int, int]] = self._ep.poll(timeout, maxevents)
+            return passed
         rooms, links = asked
         hidden: set[int] = set()
         try:
