@@ -176,7 +176,7 @@ class _Translated:
         returned). None when no registration asks an SMC connection for writing."""
         rooms: _Rooms | None = None
         links: list[int] = []
-        for fd, mask in self._out.items():
+        for fd, mask in list(self._out.items()):  # another thread may register meanwhile
             sock = _smc(fd)
             if sock is None:
                 if fd in self._real:  # no longer a connection's fileno(): as registered
