@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import select as _select
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -303,9 +304,13 @@ class SmcEpoll(_Translated):
         return out if maxevents <= 0 else out[:maxevents]
 
 
-def install(select: Any, selectors: Any | None) -> None:
+def install(select: Any = _select, selectors: Any | None = None) -> None:
     """Replace ``select``'s three calls by the wrappers (idempotent), and the selectors'
-    classes' when :mod:`selectors` was imported before (it binds them at import)."""
+    classes' when :mod:`selectors` was imported before (it binds them at import; default:
+    the one in ``sys.modules``, if any). smc-run does this at start; a program that uses
+    :mod:`smc_handoff` itself calls it to get the same."""
+    if selectors is None:
+        selectors = sys.modules.get("selectors")
     if select.select is smc_select:
         return
     select.select, select.poll, select.epoll = smc_select, SmcPoll, SmcEpoll

@@ -34,7 +34,6 @@ import importlib.abc
 import importlib.util
 import logging
 import os
-import select
 import shutil
 import socket as _socket
 import struct
@@ -473,7 +472,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()
     _patch_fd_calls(fcntl)
-    readiness.install(select, sys.modules.get("selectors"))
+    readiness.install()
     if _verbose:
         _patch_on_import("uvloop", _patch_uvloop)
     _socket.socket = AutoSocket  # type: ignore[misc]

@@ -14,6 +14,8 @@ import os
 import select
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -351,3 +353,27 @@ def test_a_connection_closed_while_registered_is_dropped_as_the_kernel_drops_it(
         os.close(rd)
         os.close(wr)
         b.close()
+
+
+INSTALL_THEN_IMPORT = r"""
+import os, select, sys
+from smc_handoff import readiness
+readiness.install()  # the defaults: this interpreter's select, and selectors if imported
+assert select.select is readiness.smc_select and select.epoll is readiness.SmcEpoll
+sys.modules.pop("selectors", None)
+import selectors  # imported after: its classes bind the wrappers themselves
+assert selectors.EpollSelector._selector_cls is readiness.SmcEpoll
+rd, wr = os.pipe()
+for cls in (selectors.SelectSelector, selectors.PollSelector, selectors.EpollSelector):
+    with cls() as sel:  # SelectSelector keeps select.select as a class attribute: not a method
+        sel.register(wr, selectors.EVENT_WRITE)
+        sel.register(rd, selectors.EVENT_READ)
+        assert [(k.fd, e) for k, e in sel.select(0)] == [(wr, selectors.EVENT_WRITE)], cls
+print("OK")
+"""
+
+
+def test_install_with_defaults_and_selectors_imported_after() -> None:
+    out = subprocess.run([sys.executable, "-c", INSTALL_THEN_IMPORT], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.stdout == "OK\n", out.stderr
