@@ -781,6 +781,17 @@ class Channel(ChannelBase):
             self._disarm(self._ws)
 
     @property
+    def rx_shut(self) -> bool:
+        """Nothing more will arrive: the peer shut writing, closed or reset (or died), or this
+        end shut reading; what a TCP socket's poll reports as ``POLLRDHUP``."""
+        if self._rd_shut or self._local_abort or self._peer_died or self._link_dead:
+            return True
+        if self._closed:
+            return False
+        flags = self._rx_hdr[W_CONS] >> CSFLAGS_SHIFT
+        return bool(flags & (PEER_DONE_WRITING | PEER_CONN_CLOSED | PEER_CONN_ABORT))
+
+    @property
     def claimed_elsewhere(self) -> bool:
         """A copy after a fork that another process has claimed: its view of the rings is
         stale, and a request it armed would take the owner's kicks."""

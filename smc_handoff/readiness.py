@@ -18,9 +18,13 @@ raise, it is reported writable at once. Reading is untouched (the eventfd's leve
 every descriptor that is not an SMC connection's ``fileno()``: a poll that asks nothing of one
 for writing costs one dictionary look more.
 
-Not translated: ``epoll`` registrations with ``EPOLLET`` or ``EPOLLONESHOT`` (their single
-reports cannot be emulated by a wrapper that reports room without an event): they poll writable
-as before. ``EPOLLRDHUP`` is not reported for a peer's shutdown (an eventfd has no such state).
+``POLLRDHUP``/``EPOLLRDHUP`` (an eventfd has no such state) is added to a connection's readable
+event when its registration asks for it with ``POLLIN``, once the peer shut writing, closed or
+reset, or this end shut reading, as TCP's poll reports it.
+
+Not translated: ``epoll`` registrations with ``EPOLLET`` or ``EPOLLONESHOT`` ask for writing as
+before (their single reports cannot be emulated by a wrapper that reports room without an
+event), and ``POLLRDHUP`` asked without ``POLLIN`` is never reported.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = ["SmcEpoll", "SmcPoll", "install", "smc_select"]
 
 _IN = _select.POLLIN
 _OUT = _select.POLLOUT
+_RDHUP = _select.POLLRDHUP
 _UNTRANSLATED = _select.EPOLLET | _select.EPOLLONESHOT
 _real_select = _select.select
 _real_poll = _select.poll
@@ -142,6 +147,7 @@ class _Translated:
         self._p = real  # the poll or epoll object wrapped
         self._out: dict[int, int] = {}  # fd → the program's mask, for masks with POLLOUT
         self._real: dict[int, int] = {}  # fd → the mask registered, where it is not the program's
+        self._rdhup: set[int] = set()  # fds whose mask asks POLLRDHUP with POLLIN
 
     def register(self, fd: Any, eventmask: int | None = None) -> None:
         mask = self._DEFAULT_MASK if eventmask is None else eventmask
@@ -158,6 +164,10 @@ class _Translated:
 
     def _note(self, fd: int, mask: int) -> None:
         self._real.pop(fd, None)
+        if mask & _RDHUP and mask & _IN:
+            self._rdhup.add(fd)
+        else:
+            self._rdhup.discard(fd)
         if mask & _OUT and not mask & _UNTRANSLATED:
             self._out[fd] = mask
         else:
@@ -166,6 +176,18 @@ class _Translated:
     def _forget(self, fd: int) -> None:
         self._out.pop(fd, None)
         self._real.pop(fd, None)
+        self._rdhup.discard(fd)
+
+    def _hup(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``POLLRDHUP`` added to the readable events of connections that asked for it and
+        will receive nothing more."""
+        rdhup = self._rdhup
+        out = []
+        for fd, ev in events:
+            if ev & _IN and fd in rdhup and (sock := _smc(fd)) is not None and sock.poll_rdhup():
+                ev |= _RDHUP
+            out.append((fd, ev))
+        return out
 
     def _set(self, fd: int, mask: int) -> None:
         """Register ``mask`` for ``fd`` in the real poll (a subclass's)."""
@@ -229,7 +251,7 @@ class SmcPoll(_Translated):
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
             passed: list[tuple[int, int]] = self._poll.poll(timeout)
-            return passed
+            return self._hup(passed) if self._rdhup and by_fileno else passed
         rooms, links = asked
         for link in links:
             self._poll.register(link, _IN)
@@ -240,7 +262,7 @@ class SmcPoll(_Translated):
                 with contextlib.suppress(KeyError):
                     self._poll.unregister(link)
             room = rooms.done()  # also when the poll raised: no request is left armed
-        return self._merge(events, room, set(links))
+        return self._hup(self._merge(events, room, set(links)))
 
 
 class SmcEpoll(_Translated):
@@ -268,6 +290,7 @@ class SmcEpoll(_Translated):
         self._ep.close()
         self._out.clear()
         self._real.clear()
+        self._rdhup.clear()
 
     def __enter__(self) -> SmcEpoll:
         self._ep.__enter__()
@@ -283,7 +306,7 @@ class SmcEpoll(_Translated):
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
             passed: list[tuple[int, int]] = self._ep.poll(timeout, maxevents)
-            return passed
+            return self._hup(passed) if self._rdhup and by_fileno else passed
         rooms, links = asked
         hidden: set[int] = set()
         try:
@@ -300,7 +323,7 @@ class SmcEpoll(_Translated):
                 with contextlib.suppress(OSError):
                     self._ep.unregister(link)
             room = rooms.done()  # also when the poll raised: no request is left armed
-        out = self._merge(events, room, hidden)
+        out = self._hup(self._merge(events, room, hidden))
         return out if maxevents <= 0 else out[:maxevents]
 
 

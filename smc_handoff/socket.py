@@ -660,6 +660,12 @@ class SmcSocket(_BaseSocket):
         except OSError:
             return True
 
+    def poll_rdhup(self) -> bool:
+        """For smc-run's ``poll`` and ``epoll``: does TCP's ``POLLRDHUP`` hold (the peer shut
+        writing, closed or reset, or this end shut reading)?"""
+        smc = self._smc
+        return smc is not None and smc.channel.rx_shut
+
     def recvfrom(self, bufsize: int, flags: int = 0) -> tuple[bytes, Any]:
         if self._live() is None:
             if self._clc_guard:

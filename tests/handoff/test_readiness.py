@@ -377,3 +377,39 @@ def test_install_with_defaults_and_selectors_imported_after() -> None:
     out = subprocess.run([sys.executable, "-c", INSTALL_THEN_IMPORT], capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.stdout == "OK\n", out.stderr
+
+
+@pytest.mark.parametrize("how", ["poll", "epoll"])
+def test_rdhup_once_the_peer_shut_writing_as_tcp_reports_it(pair: Any, how: str) -> None:
+    """Asked with ``POLLIN``: ``POLLRDHUP`` joins the readable event once the peer shut writing
+    (data still unread, then at EOF), not before; a fresh connection shut for reading has it at
+    once. The eventfd alone never said it."""
+    a, b = pair
+    p: Any = select.poll() if how == "poll" else select.epoll()
+    ms = 1000 if how == "poll" else 1
+    mask = select.POLLIN | select.POLLRDHUP
+    p.register(a.fileno(), mask)
+    try:
+        assert p.poll(0) == []
+        b.sendall(b"data")
+        assert p.poll(5 * ms) == [(a.fileno(), select.POLLIN)]
+        b.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 5
+        while p.poll(1 * ms) != [(a.fileno(), mask)]:
+            assert time.monotonic() < deadline, p.poll(0)
+        assert a.recv(10) == b"data"
+        assert p.poll(0) == [(a.fileno(), mask)]  # EOF
+        assert a.recv(10) == b""
+        p.unregister(a.fileno())
+        c, d = tcp_pair() if not isinstance(a, SmcSocket) else wrapped_pair()
+        try:
+            p.register(c.fileno(), mask)
+            assert p.poll(0) == []
+            c.shutdown(socket.SHUT_RD)
+            assert (c.fileno(), mask) in p.poll(0)
+        finally:
+            c.close()
+            d.close()
+    finally:
+        if how == "epoll":
+            p.close()
