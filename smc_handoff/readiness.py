@@ -62,10 +62,6 @@ def _fd(obj: Any) -> int:
     return fd if isinstance(fd, int) else -1
 
 
-def _smc(fd: int) -> SmcSocket | None:
-    return connection_at(fd) if fd in by_fileno else None
-
-
 class _Rooms:
     """The SMC connections one poll asked for writing: those with room now, and those whose
     link it polls in their place until the peer frees room."""
@@ -74,14 +70,13 @@ class _Rooms:
         self.ready: list[int] = []
         self.waiting: list[tuple[int, SmcSocket, int]] = []  # (fd, connection, link)
 
-    def ask(self, fd: int, sock: SmcSocket) -> int | None:
-        """The link to poll for ``fd``'s room; None when it has room now (``ready``)."""
+    def ask(self, fd: int, sock: SmcSocket) -> None:
+        """Room now (``ready``), or the link to poll in ``fd``'s place (``links``)."""
         link = sock.poll_room()
         if link is None:
             self.ready.append(fd)
         else:
             self.waiting.append((fd, sock, link))
-        return link
 
     def done(self) -> set[int]:
         """After the poll: every asked descriptor with room (or an error) now."""
@@ -92,8 +87,8 @@ class _Rooms:
         return room
 
     @property
-    def links(self) -> set[int]:
-        return {link for _, _, link in self.waiting}
+    def links(self) -> list[int]:
+        return [link for _, _, link in self.waiting]
 
 
 class _Select:
@@ -112,16 +107,16 @@ class _Select:
         if not by_fileno:
             return _real_select(rlist, wlist, xlist, timeout)
         wlist = list(wlist)
-        smc = [(obj, fd, sock) for obj in wlist if (sock := _smc(fd := _fd(obj))) is not None]
+        smc = [
+            (obj, fd, sock) for obj in wlist if (sock := connection_at(fd := _fd(obj))) is not None
+        ]
         if not smc:
             return _real_select(rlist, wlist, xlist, timeout)
         rooms = _Rooms()
-        links: list[int] = []
         ours = {id(obj) for obj, _, _ in smc}
         for _obj, fd, sock in smc:
-            link = rooms.ask(fd, sock)
-            if link is not None:
-                links.append(link)
+            rooms.ask(fd, sock)
+        links = rooms.links
         rest = [obj for obj in wlist if id(obj) not in ours]
         try:
             r, w, x = _real_select([*rlist, *links], rest, xlist, 0 if rooms.ready else timeout)
@@ -184,7 +179,12 @@ class _Translated:
         rdhup = self._rdhup
         out = []
         for fd, ev in events:
-            if ev & _IN and fd in rdhup and (sock := _smc(fd)) is not None and sock.poll_rdhup():
+            if (
+                ev & _IN
+                and fd in rdhup
+                and (sock := connection_at(fd)) is not None
+                and sock.poll_rdhup()
+            ):
                 ev |= _RDHUP
             out.append((fd, ev))
         return out
@@ -193,14 +193,13 @@ class _Translated:
         """Register ``mask`` for ``fd`` in the real poll (a subclass's)."""
         raise NotImplementedError
 
-    def _rooms(self) -> tuple[_Rooms, list[int]] | None:
+    def _rooms(self) -> _Rooms | None:
         """Before the real poll: the SMC connections asked for writing, each registered for
-        reading only (its room comes by its link, registered here for reading: the links
-        returned). None when no registration asks an SMC connection for writing."""
+        reading only (its room comes by its link, which the caller registers for reading).
+        None when no registration asks an SMC connection for writing."""
         rooms: _Rooms | None = None
-        links: list[int] = []
         for fd, mask in list(self._out.items()):  # another thread may register meanwhile
-            sock = _smc(fd)
+            sock = connection_at(fd)
             if sock is None:
                 if fd in self._real:  # no longer a connection's fileno(): as registered
                     del self._real[fd]
@@ -211,10 +210,8 @@ class _Translated:
                 self._set(fd, mask & ~_OUT)
                 self._real[fd] = mask & ~_OUT
             rooms = rooms or _Rooms()
-            link = rooms.ask(fd, sock)
-            if link is not None:
-                links.append(link)
-        return None if rooms is None else (rooms, links)
+            rooms.ask(fd, sock)
+        return rooms
 
     @staticmethod
     def _merge(
@@ -242,25 +239,24 @@ class SmcPoll(_Translated):
 
     def __init__(self) -> None:
         super().__init__(_real_poll())
-        self._poll = self._p
 
     def _set(self, fd: int, mask: int) -> None:
-        self._poll.register(fd, mask)
+        self._p.register(fd, mask)
 
     def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
-            passed: list[tuple[int, int]] = self._poll.poll(timeout)
+            passed: list[tuple[int, int]] = self._p.poll(timeout)
             return self._hup(passed) if self._rdhup and by_fileno else passed
-        rooms, links = asked
+        rooms, links = asked, asked.links
         for link in links:
-            self._poll.register(link, _IN)
+            self._p.register(link, _IN)
         try:
-            events = self._poll.poll(0 if rooms.ready else timeout)
+            events = self._p.poll(0 if rooms.ready else timeout)
         finally:
             for link in links:
                 with contextlib.suppress(KeyError):
-                    self._poll.unregister(link)
+                    self._p.unregister(link)
             room = rooms.done()  # also when the poll raised: no request is left armed
         return self._hup(self._merge(events, room, set(links)))
 
@@ -273,7 +269,6 @@ class SmcEpoll(_Translated):
 
     def __init__(self, sizehint: int = -1, flags: int = 0, *, _ep: Any = None) -> None:
         super().__init__(_real_epoll(sizehint, flags) if _ep is None else _ep)
-        self._ep = self._p
 
     @classmethod
     def fromfd(cls, fd: int) -> SmcEpoll:
@@ -281,47 +276,47 @@ class SmcEpoll(_Translated):
 
     @property
     def closed(self) -> bool:
-        return bool(self._ep.closed)
+        return bool(self._p.closed)
 
     def fileno(self) -> int:
-        return int(self._ep.fileno())
+        return int(self._p.fileno())
 
     def close(self) -> None:
-        self._ep.close()
+        self._p.close()
         self._out.clear()
         self._real.clear()
         self._rdhup.clear()
 
     def __enter__(self) -> SmcEpoll:
-        self._ep.__enter__()
+        self._p.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _set(self, fd: int, mask: int) -> None:
-        self._ep.modify(fd, mask)
+        self._p.modify(fd, mask)
 
     def poll(self, timeout: float | None = -1, maxevents: int = -1) -> list[tuple[int, int]]:
         asked = self._rooms() if self._out and by_fileno else None
         if asked is None:
-            passed: list[tuple[int, int]] = self._ep.poll(timeout, maxevents)
+            passed: list[tuple[int, int]] = self._p.poll(timeout, maxevents)
             return self._hup(passed) if self._rdhup and by_fileno else passed
-        rooms, links = asked
+        rooms, links = asked, asked.links
         hidden: set[int] = set()
         try:
             for link in links:
                 try:
-                    self._ep.register(link, _IN)
+                    self._p.register(link, _IN)
                 except OSError:  # registered by the program itself: not ours to poll
                     continue
                 hidden.add(link)
             more = maxevents if maxevents <= 0 else maxevents + len(hidden)
-            events = self._ep.poll(0 if rooms.ready else timeout, more)
+            events = self._p.poll(0 if rooms.ready else timeout, more)
         finally:
             for link in hidden:
                 with contextlib.suppress(OSError):
-                    self._ep.unregister(link)
+                    self._p.unregister(link)
             room = rooms.done()  # also when the poll raised: no request is left armed
         out = self._hup(self._merge(events, room, hidden))
         return out if maxevents <= 0 else out[:maxevents]
