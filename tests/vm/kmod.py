@@ -4,7 +4,9 @@ Why: the kernel's own SMC-R is the independent judge of our wire format (guest t
 ``test_kernel_oracle``), and on Linux 6.1 it cannot run over the stock rxe: rxe's ``query_qp``
 reports a stale ``cur_qp_state`` and a CQ armed with ``IB_CQ_SOLICITED_MASK`` never signals
 (SMC's link setup then hangs in ``smc_wr_drain_cq``). ``rxe-smc-fixes.patch`` beside this file
-fixes both in two lines (the project's softroce-vm recipe).
+fixes both in two lines (the project's softroce-vm recipe); a third fix keeps a packet that
+outlives its QP (a NIC down with packets in its ring) from panicking the guest when the NIC
+comes back up (the patch's header says how).
 
 How, without installing anything on the host: ``apt-get download`` the ``linux-headers`` (arch +
 common), ``linux-kbuild`` and ``linux-source`` packages of exactly the Debian version of the
