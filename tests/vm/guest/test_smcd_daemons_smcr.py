@@ -15,6 +15,9 @@ The issue's done-when scale, through that path:
   first connection to the last, and each daemon's QPN is the other's peer QPN; every
   connection's data is checksummed both ways.
 
+And a non-blocking writer waiting in ``selectors`` for room (``smc_handoff.readiness``, as
+smc-run installs it) to a slow reader: each wait ends with room, none spins.
+
 The two daemons are shared by the module (starting a Python daemon under TCG costs tens of
 seconds) and configured with a long link-group linger, so every connection of the module lands
 in the link group the first one created, and limited to one link per link group (the second
@@ -60,6 +63,9 @@ BULK_PORT = 47311
 MANY_PORT = 47312
 CROSS_PORT_A = 47313  # a listener of host A's application (the other tests listen on B only)
 CROSS_PORT_B = 47314
+POLL_PORT = 47315
+#: what the non-blocking writer sends to the slow reader
+POLL_BYTES = 4 << 20
 
 # ---------------------------------------------------------------------------- the applications
 
@@ -177,6 +183,60 @@ th.join(120)
 print(json.dumps(got), flush=True)
 sys.stdin.readline()
 srv.close()
+"""
+)
+
+SLOW_READER = (
+    COMMON
+    + r"""
+port, pause = int(sys.argv[1]), float(sys.argv[2])
+srv = smc_handoff.listen((SERVER, port))
+print("LISTENING", flush=True)
+c, _ = srv.accept()
+print("CONNECTED " + c.mode, flush=True)
+digest, total = hashlib.sha256(), 0
+while data := c.recv(65536):
+    digest.update(data)
+    total += len(data)
+    time.sleep(pause)  # a reader slower than its writer
+print(json.dumps({"mode": c.mode, "received": total, "sha": digest.hexdigest()}), flush=True)
+sys.stdin.readline()
+c.close()
+srv.close()
+"""
+)
+
+SELECTORS_WRITER = (
+    COMMON
+    + r"""
+import selectors
+from smc_handoff import readiness
+readiness.install()  # as smc-run does at start
+port, n = int(sys.argv[1]), int(sys.argv[2])
+s = smc_handoff.connect((SERVER, port), 60, source_address=(CLIENT, 0))
+print("CONNECTED " + s.mode, flush=True)
+data = os.urandom(n)
+s.setblocking(False)
+view, waits, idle = memoryview(data), 0, 0
+for sel in (selectors.DefaultSelector(), selectors.SelectSelector()):
+    sel.register(s, selectors.EVENT_WRITE)
+    end = len(view) // 2 if waits == 0 else 0
+    while len(view) > end:
+        try:
+            view = view[s.send(view[:65536]):]
+        except BlockingIOError:
+            assert sel.select(120), "no room within 120 s"
+            waits += 1
+            try:
+                view = view[s.send(view[:65536]):]
+            except BlockingIOError:
+                idle += 1  # woken without room: a spin
+    sel.close()
+s.setblocking(True)
+print(json.dumps({"mode": s.mode, "sha": hashlib.sha256(data).hexdigest(), "waits": waits,
+                  "idle": idle}), flush=True)
+sys.stdin.readline()
+s.close()
 """
 )
 
@@ -435,6 +495,36 @@ def test_100_connections_one_link_group_one_qp(
             f"99 opened in {opened:.1f} s, {total / (1 << 20):.1f} MiB moved in {moved:.1f} s, "
             f"{time.monotonic() - t0:.1f} s in all",
         )
+    finally:
+        apps.finish()
+
+
+@pytest.mark.timeout(600)
+def test_a_non_blocking_writer_waits_for_room_over_smcr(
+    daemons: tuple[Daemon, Daemon], scratch: Path
+) -> None:
+    """A writer that sends non-blocking and waits in ``selectors`` (epoll, then select) for
+    ``EVENT_WRITE`` when its send buffer is full, to a reader slower than it, over SMC-R: with
+    ``smc_handoff.readiness`` installed (as smc-run does), a wait ends only when there is room
+    again, which here means the daemons moved the data over RDMA, the reader's consumer cursor
+    came back in a CDC message and the writer's daemon kicked its link. Every byte arrives."""
+    a, b = daemons
+    apps = Apps(daemons)
+    try:
+        apps.start("reader", SLOW_READER, b, POLL_PORT, 0.002)
+        assert apps.line("reader") == "LISTENING"
+        apps.start("writer", SELECTORS_WRITER, a, POLL_PORT, POLL_BYTES)
+        assert apps.line("writer") == "CONNECTED smcr", apps.context()
+        assert apps.line("reader") == "CONNECTED smcr", apps.context()
+        w = json.loads(apps.line("writer"))
+        apps.tell("writer")  # the writer closes: the reader sees its EOF
+        r = json.loads(apps.line("reader"))
+        assert (w["mode"], r["mode"]) == ("smcr", "smcr"), (w, r)
+        assert (r["received"], r["sha"]) == (POLL_BYTES, w["sha"]), (w, r)
+        report(scratch, f"{POLL_BYTES >> 20} MiB non-blocking to a slow reader over SMC-R: "
+                        f"{w['waits']} waits, {w['idle']} without room")  # fmt: skip
+        assert w["waits"] >= 1, w  # the reader was the slower side: the writer waited
+        assert w["idle"] <= 2 + w["waits"] // 50, w  # each wait ended with room
     finally:
         apps.finish()
 
