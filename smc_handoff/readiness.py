@@ -22,9 +22,16 @@ for writing costs one dictionary look more.
 event when its registration asks for it with ``POLLIN``, once the peer shut writing, closed or
 reset, or this end shut reading, as TCP's poll reports it.
 
-Not translated: ``epoll`` registrations with ``EPOLLET`` or ``EPOLLONESHOT`` ask for writing as
-before (their single reports cannot be emulated by a wrapper that reports room without an
-event), and ``POLLRDHUP`` asked without ``POLLIN`` is never reported.
+An edge-triggered ``epoll`` registration (``EPOLLET``) gets ``EPOLLOUT`` as TCP's edges come:
+once when it is registered or modified with room, then once each time room comes back after a
+poll found none (TCP's ``SOCK_NOSPACE`` and write-space wake-up); and each of its events carries
+all of its readiness, as a TCP socket's edge does. Without this, an edge-triggered writer that
+met a full ring waited for an edge of the eventfd, which only the peer's *sending* makes: a
+writer whose peer only reads hung.
+
+Not translated: ``EPOLLONESHOT`` registrations ask for writing as before (the wrapper would have
+to disarm the real registration when it reports room itself), and ``POLLRDHUP`` asked without
+``POLLIN`` is never reported.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ __all__ = ["SmcEpoll", "SmcPoll", "install", "smc_select"]
 _IN = _select.POLLIN
 _OUT = _select.POLLOUT
 _RDHUP = _select.POLLRDHUP
-_UNTRANSLATED = _select.EPOLLET | _select.EPOLLONESHOT
+_ET = _select.EPOLLET
+_UNTRANSLATED = _select.EPOLLONESHOT
 _real_select = _select.select
 _real_poll = _select.poll
 _real_epoll = _select.epoll
@@ -70,13 +78,16 @@ class _Rooms:
         self.ready: list[int] = []
         self.waiting: list[tuple[int, SmcSocket, int]] = []  # (fd, connection, link)
 
-    def ask(self, fd: int, sock: SmcSocket) -> None:
-        """Room now (``ready``), or the link to poll in ``fd``'s place (``links``)."""
+    def ask(self, fd: int, sock: SmcSocket, report_room: bool = True) -> bool:
+        """Room now (``ready``, unless not ``report_room``: an edge already reported), or the
+        link to poll in ``fd``'s place (``links``). True when it has no room now."""
         link = sock.poll_room()
         if link is None:
-            self.ready.append(fd)
-        else:
-            self.waiting.append((fd, sock, link))
+            if report_room:
+                self.ready.append(fd)
+            return False
+        self.waiting.append((fd, sock, link))
+        return True
 
     def done(self) -> set[int]:
         """After the poll: every asked descriptor with room (or an error) now."""
@@ -143,6 +154,7 @@ class _Translated:
         self._out: dict[int, int] = {}  # fd → the program's mask, for masks with POLLOUT
         self._real: dict[int, int] = {}  # fd → the mask registered, where it is not the program's
         self._rdhup: set[int] = set()  # fds whose mask asks POLLRDHUP with POLLIN
+        self._owed: dict[int, bool] = {}  # edge-triggered fd → is an EPOLLOUT edge owed?
 
     def register(self, fd: Any, eventmask: int | None = None) -> None:
         mask = self._DEFAULT_MASK if eventmask is None else eventmask
@@ -167,11 +179,16 @@ class _Translated:
             self._out[fd] = mask
         else:
             self._out.pop(fd, None)
+        if mask & _ET and fd in self._out:
+            self._owed[fd] = True  # as EPOLL_CTL_ADD/MOD report a descriptor ready now
+        else:
+            self._owed.pop(fd, None)
 
     def _forget(self, fd: int) -> None:
         self._out.pop(fd, None)
         self._real.pop(fd, None)
         self._rdhup.discard(fd)
+        self._owed.pop(fd, None)
 
     def _hup(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``POLLRDHUP`` added to the readable events of connections that asked for it and
@@ -210,8 +227,30 @@ class _Translated:
                 self._set(fd, mask & ~_OUT)
                 self._real[fd] = mask & ~_OUT
             rooms = rooms or _Rooms()
-            rooms.ask(fd, sock)
+            owed = self._owed.get(fd)
+            if rooms.ask(fd, sock, owed is not False) and owed is not None:
+                self._owed[fd] = True  # full: the next room is an edge
         return rooms
+
+    def _edges(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``events`` as the program gets them: an event of an edge-triggered connection
+        carries all of its readiness (``POLLOUT`` with room, ``POLLIN`` if asked and a read
+        would not wait), as a TCP socket's edge does, and each ``POLLOUT`` reported pays the
+        edge owed."""
+        owed = self._owed
+        if not owed:
+            return events
+        out = []
+        for fd, ev in events:
+            if fd in owed and (sock := connection_at(fd)) is not None:
+                readable, writable = sock.poll_now()
+                if writable:
+                    ev |= _OUT
+                    owed[fd] = False
+                    if readable and self._out.get(fd, 0) & _IN:
+                        ev |= _IN
+            out.append((fd, ev))
+        return out
 
     @staticmethod
     def _merge(
@@ -262,8 +301,8 @@ class SmcPoll(_Translated):
 
 
 class SmcEpoll(_Translated):
-    """``select.epoll``: an SMC connection registered for ``EPOLLOUT`` (level-triggered)
-    polls writable only with room."""
+    """``select.epoll``: an SMC connection registered for ``EPOLLOUT`` polls writable only
+    with room (level-triggered), or once each time room comes (edge-triggered)."""
 
     _DEFAULT_MASK = _EPOLL_DEFAULT
 
@@ -286,6 +325,7 @@ class SmcEpoll(_Translated):
         self._out.clear()
         self._real.clear()
         self._rdhup.clear()
+        self._owed.clear()
 
     def __enter__(self) -> SmcEpoll:
         self._p.__enter__()
@@ -319,7 +359,7 @@ class SmcEpoll(_Translated):
                     self._p.unregister(link)
             room = rooms.done()  # also when the poll raised: no request is left armed
         out = self._hup(self._merge(events, room, hidden))
-        return out if maxevents <= 0 else out[:maxevents]
+        return self._edges(out if maxevents <= 0 else out[:maxevents])
 
 
 def install(select: Any = _select, selectors: Any | None = None) -> None:

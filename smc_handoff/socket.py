@@ -660,6 +660,20 @@ class SmcSocket(_BaseSocket):
         except OSError:
             return True
 
+    def poll_now(self) -> tuple[bool, bool]:
+        """For smc-run's edge-triggered ``epoll``: (would a read not wait, would a send not
+        wait) now, with nothing armed. A copy another process claimed answers as its eventfd."""
+        smc = self._smc
+        if smc is None:
+            return False, True
+        ch = smc.channel
+        try:
+            if ch.claimed_elsewhere:
+                return False, True
+            return ch.rx_pending, ch.writable()
+        except OSError:  # closed meanwhile: both raise
+            return True, True
+
     def poll_rdhup(self) -> bool:
         """For smc-run's ``poll`` and ``epoll``: does TCP's ``POLLRDHUP`` hold (the peer shut
         writing, closed or reset, or this end shut reading)?"""

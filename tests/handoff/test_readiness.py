@@ -206,11 +206,11 @@ def test_a_non_blocking_writer_to_a_slow_reader_waits_instead_of_spinning(pair: 
     assert idle <= 2 + wakes // 50, (idle, wakes)
 
 
-def test_descriptors_of_other_kinds_and_edge_triggered_epoll_pass_through(
+def test_descriptors_of_other_kinds_and_one_shot_epoll_pass_through(
     daemon: MiniDaemon, wrapped: None
 ) -> None:
-    """A pipe polls as it did; an SMC connection registered edge-triggered (or one-shot) keeps
-    the eventfd's answer (documented); at most ``maxevents`` come back, none of them ours."""
+    """A pipe polls as it did; an SMC connection registered one-shot keeps the eventfd's answer
+    (documented); at most ``maxevents`` come back, none of them ours."""
     a, b = wrapped_pair()
     rd, wr = os.pipe()
     try:
@@ -219,9 +219,11 @@ def test_descriptors_of_other_kinds_and_edge_triggered_epoll_pass_through(
             ep.register(wr, select.EPOLLOUT)
             ep.register(a.fileno(), select.EPOLLOUT | select.EPOLLIN)
             assert ep.poll(0.1) == [(wr, select.EPOLLOUT)]
-            ep.modify(a.fileno(), select.EPOLLOUT | select.EPOLLET)
+            ep.modify(a.fileno(), select.EPOLLOUT | select.EPOLLONESHOT)
             both = [(wr, select.EPOLLOUT), (a.fileno(), select.EPOLLOUT)]
             assert sorted(ep.poll(0.1)) == sorted(both)
+            ep.modify(a.fileno(), select.EPOLLOUT | select.EPOLLET)  # emulated: no room
+            assert ep.poll(0.1) == [(wr, select.EPOLLOUT)]
             ep.modify(a.fileno(), select.EPOLLOUT)
             ep.register(rd, select.EPOLLIN)
             os.write(wr, b"x")
@@ -242,6 +244,45 @@ def test_descriptors_of_other_kinds_and_edge_triggered_epoll_pass_through(
         os.close(wr)
         a.close()
         b.close()
+
+
+def test_edge_triggered_epollout_comes_once_and_again_when_room_comes_back(pair: Any) -> None:
+    """``EPOLLET``: ``EPOLLOUT`` once at registration (room), then nothing until a send met a
+    full connection and the peer's reads made room. Unwrapped, the eventfd's edge came only
+    when the peer *sent*: a writer whose peer only reads waited forever."""
+    a, b = pair
+    a.setblocking(False)
+    with select.epoll() as ep:
+        ep.register(a.fileno(), select.EPOLLOUT | select.EPOLLET)
+        assert ep.poll(0.1) == [(a.fileno(), select.EPOLLOUT)]  # the first edge
+        assert ep.poll(0.1) == []  # no new edge
+        a.send(b"x")  # room left: no edge
+        assert ep.poll(0.1) == []
+        n = 1 + fill(a)
+        a.setblocking(False)
+        assert ep.poll(0.2) == []  # full: nothing to report
+        assert ep.poll(0.1) == []
+        t = later(0.2, lambda: drain(b, n))
+        assert ep.poll(10.0) == [(a.fileno(), select.EPOLLOUT)]  # the reader made room
+        t.join()
+        assert ep.poll(0.1) == []  # reported once
+        ep.modify(a.fileno(), select.EPOLLOUT | select.EPOLLET | select.EPOLLIN)
+        assert ep.poll(0.1) == [(a.fileno(), select.EPOLLOUT)]  # a modify re-arms it
+        b.sendall(b"y")
+        both = select.EPOLLIN | select.EPOLLOUT  # an edge reports all of the readiness
+        assert ep.poll(10.0) == [(a.fileno(), both)]
+        assert ep.poll(0.1) == []
+        assert a.recv(10) == b"y"
+        with pytest.raises(BlockingIOError):  # drained, as epoll(7) asks of an ET reader
+            a.recv(10)
+        n = fill(a)
+        a.setblocking(False)
+        b.sendall(b"z")
+        assert ep.poll(10.0) == [(a.fileno(), select.EPOLLIN)]  # full: reading only
+        t = later(0.2, lambda: drain(b, n))
+        assert ep.poll(10.0) == [(a.fileno(), both)]  # room, and the "z" unread
+        t.join()
+        assert ep.poll(0.1) == []
 
 
 def test_a_closed_connection_polls_as_the_descriptor_it_leaves(
