@@ -29,9 +29,11 @@ all of its readiness, as a TCP socket's edge does. Without this, an edge-trigger
 met a full ring waited for an edge of the eventfd, which only the peer's *sending* makes: a
 writer whose peer only reads hung.
 
-Not translated: ``EPOLLONESHOT`` registrations ask for writing as before (the wrapper would have
-to disarm the real registration when it reports room itself), and ``POLLRDHUP`` asked without
-``POLLIN`` is never reported.
+A one-shot registration (``EPOLLONESHOT``) reports one event, room included, then nothing until
+the program modifies it: the wrapper disarms the real registration when it reports room itself,
+and stops looking for room once the real one reported reading.
+
+Not translated: ``POLLRDHUP`` asked without ``POLLIN`` is never reported.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ _IN = _select.POLLIN
 _OUT = _select.POLLOUT
 _RDHUP = _select.POLLRDHUP
 _ET = _select.EPOLLET
-_UNTRANSLATED = _select.EPOLLONESHOT
+_ONESHOT = _select.EPOLLONESHOT
 _real_select = _select.select
 _real_poll = _select.poll
 _real_epoll = _select.epoll
@@ -155,6 +157,7 @@ class _Translated:
         self._real: dict[int, int] = {}  # fd → the mask registered, where it is not the program's
         self._rdhup: set[int] = set()  # fds whose mask asks POLLRDHUP with POLLIN
         self._owed: dict[int, bool] = {}  # edge-triggered fd → is an EPOLLOUT edge owed?
+        self._shot: dict[int, bool] = {}  # one-shot fd → still armed?
 
     def register(self, fd: Any, eventmask: int | None = None) -> None:
         mask = self._DEFAULT_MASK if eventmask is None else eventmask
@@ -175,7 +178,7 @@ class _Translated:
             self._rdhup.add(fd)
         else:
             self._rdhup.discard(fd)
-        if mask & _OUT and not mask & _UNTRANSLATED:
+        if mask & _OUT:
             self._out[fd] = mask
         else:
             self._out.pop(fd, None)
@@ -183,12 +186,17 @@ class _Translated:
             self._owed[fd] = True  # as EPOLL_CTL_ADD/MOD report a descriptor ready now
         else:
             self._owed.pop(fd, None)
+        if mask & _ONESHOT and fd in self._out:
+            self._shot[fd] = True
+        else:
+            self._shot.pop(fd, None)
 
     def _forget(self, fd: int) -> None:
         self._out.pop(fd, None)
         self._real.pop(fd, None)
         self._rdhup.discard(fd)
         self._owed.pop(fd, None)
+        self._shot.pop(fd, None)
 
     def _hup(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``POLLRDHUP`` added to the readable events of connections that asked for it and
@@ -223,6 +231,8 @@ class _Translated:
                     with contextlib.suppress(OSError):  # closed: the kernel dropped it
                         self._set(fd, mask)
                 continue
+            if self._shot.get(fd) is False:
+                continue  # a one-shot registration that reported: nothing until a modify
             if self._real.get(fd, mask) != mask & ~_OUT:
                 self._set(fd, mask & ~_OUT)
                 self._real[fd] = mask & ~_OUT
@@ -233,22 +243,27 @@ class _Translated:
         return rooms
 
     def _edges(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``events`` as the program gets them: an event of an edge-triggered connection
-        carries all of its readiness (``POLLOUT`` with room, ``POLLIN`` if asked and a read
-        would not wait), as a TCP socket's edge does, and each ``POLLOUT`` reported pays the
-        edge owed."""
-        owed = self._owed
-        if not owed:
+        """``events`` as the program gets them. An event of an edge-triggered or one-shot
+        connection carries all of its readiness (``POLLOUT`` with room, ``POLLIN`` if asked and
+        a read would not wait), as a TCP socket's does; each ``POLLOUT`` reported pays the edge
+        owed, and a one-shot registration that reported is disarmed, the real one too."""
+        owed, shot = self._owed, self._shot
+        if not owed and not shot:
             return events
         out = []
         for fd, ev in events:
-            if fd in owed and (sock := connection_at(fd)) is not None:
+            if (fd in owed or shot.get(fd)) and (sock := connection_at(fd)) is not None:
                 readable, writable = sock.poll_now()
                 if writable:
                     ev |= _OUT
-                    owed[fd] = False
                     if readable and self._out.get(fd, 0) & _IN:
                         ev |= _IN
+                if ev & _OUT and fd in owed:
+                    owed[fd] = False
+                if fd in shot:
+                    shot[fd] = False
+                    with contextlib.suppress(OSError):  # as the kernel disarms its own
+                        self._set(fd, 0)
             out.append((fd, ev))
         return out
 
@@ -302,7 +317,8 @@ class SmcPoll(_Translated):
 
 class SmcEpoll(_Translated):
     """``select.epoll``: an SMC connection registered for ``EPOLLOUT`` polls writable only
-    with room (level-triggered), or once each time room comes (edge-triggered)."""
+    with room (level-triggered), or once each time room comes (edge-triggered), or once until
+    modified (one-shot)."""
 
     _DEFAULT_MASK = _EPOLL_DEFAULT
 
@@ -326,6 +342,7 @@ class SmcEpoll(_Translated):
         self._real.clear()
         self._rdhup.clear()
         self._owed.clear()
+        self._shot.clear()
 
     def __enter__(self) -> SmcEpoll:
         self._p.__enter__()
@@ -351,8 +368,8 @@ class SmcEpoll(_Translated):
                 except OSError:  # registered by the program itself: not ours to poll
                     continue
                 hidden.add(link)
-            more = maxevents if maxevents <= 0 else maxevents + len(hidden)
-            events = self._p.poll(0 if rooms.ready else timeout, more)
+            # no more than maxevents: an edge or one-shot event cut off below would be lost
+            events = self._p.poll(0 if rooms.ready else timeout, maxevents)
         finally:
             for link in hidden:
                 with contextlib.suppress(OSError):
