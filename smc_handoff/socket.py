@@ -661,8 +661,9 @@ class SmcSocket(_BaseSocket):
             return True
 
     def poll_now(self) -> tuple[bool, bool]:
-        """For smc-run's edge-triggered ``epoll``: (would a read not wait, would a send not
-        wait) now, with nothing armed. A copy another process claimed answers as its eventfd."""
+        """For smc-run's edge-triggered and one-shot ``epoll``: (would a read not wait, would a
+        send not wait) now, with nothing armed. A copy another process claimed answers as its
+        eventfd."""
         smc = self._smc
         if smc is None:
             return False, True
