@@ -934,6 +934,63 @@ def test_a_non_blocking_writer_waits_for_room_instead_of_spinning(nocfg: Private
         assert idle <= 2 + waits // 50, results  # each wait ended with room
 
 
+EPOLL_WRITER = r"""
+import hashlib, os, select, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.setblocking(False)
+data = os.urandom(1 << 20) * 8
+view, waits = memoryview(data), 0
+ep = select.epoll()
+for how in (select.EPOLLET, select.EPOLLONESHOT):
+    ep.register(sock.fileno(), select.EPOLLOUT | how)
+    end = len(view) // 2 if how == select.EPOLLET else 0
+    while len(view) > end:
+        try:
+            while len(view) > end:
+                view = view[sock.send(view[:65536]):]
+        except BlockingIOError:
+            assert ep.poll(30), "no EPOLLOUT within 30 s of a full send buffer"
+            waits += 1
+            if how == select.EPOLLONESHOT:
+                ep.modify(sock.fileno(), select.EPOLLOUT | how)
+    ep.unregister(sock.fileno())
+sock.setblocking(True)
+sock.close()
+print("WROTE", len(data), hashlib.sha256(data).hexdigest(), "WAITS", waits, flush=True)
+"""
+
+
+def test_an_edge_triggered_or_one_shot_epoll_writer_is_woken_by_room(nocfg: PrivateSmcd) -> None:
+    """A stdlib program that writes non-blocking and, at ``EAGAIN``, waits in a raw
+    ``select.epoll`` registered ``EPOLLET`` (then ``EPOLLONESHOT``) for ``EPOLLOUT``, to a reader
+    that only reads: on TCP (the oracle) and under smc-run every byte arrives. Before, the
+    eventfd's edge came only when the peer sent something: the edge-triggered writer waited for
+    an edge that never came."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(nocfg)
+    for kind in ("tcp", "smcd"):
+        if kind == "tcp":
+            server = subprocess.Popen([*plain, SLOW_READER], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+            try:
+                assert server.stdout is not None
+                port = server.stdout.readline().split()[1]
+                client = subprocess.run([*plain, EPOLL_WRITER, port], capture_output=True,
+                                        text=True, env=env, timeout=120)  # fmt: skip
+                sout, serr = server.communicate(timeout=60)
+            finally:
+                server.kill()
+        else:
+            client, sout, serr = _talk(nocfg, SLOW_READER, EPOLL_WRITER)
+            assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+            assert _modes(serr) == [("accept", "smcd", None)], serr
+        assert client.returncode == 0, (kind, client.stderr, serr)
+        wrote = client.stdout.split()
+        assert wrote[0] == "WROTE", (kind, wrote)
+        assert sout.split() == ["READ", wrote[1], wrote[2]], (kind, wrote, sout)
+        assert int(wrote[4]) >= 2, (kind, wrote)  # it waited, both ways
+
+
 PICKLING_SERVER = r"""
 import multiprocessing, os, socket, sys, tempfile  # pickling-server-marker
 def serve(c):  # in a worker: echo until EOF
