@@ -33,7 +33,9 @@ A one-shot registration (``EPOLLONESHOT``) reports one event, room included, the
 the program modifies it: the wrapper disarms the real registration when it reports room itself,
 and stops looking for room once the real one reported reading.
 
-Not translated: ``POLLRDHUP`` asked without ``POLLIN`` is never reported.
+Not translated: ``POLLRDHUP`` asked without ``POLLIN`` is never reported; and an edge-triggered
+``EPOLLIN`` comes when data arrives at an empty ring (the eventfd's kick), not at each arrival as
+TCP's does, which a reader that reads until ``EAGAIN`` (as epoll(7) asks) does not see.
 """
 
 from __future__ import annotations
