@@ -898,16 +898,13 @@ print("WROTE", len(data), digest, "WAITS", waits, "IDLE", idle, flush=True)
 """
 
 
-def test_a_non_blocking_writer_waits_for_room_instead_of_spinning(nocfg: PrivateSmcd) -> None:
-    """A stdlib program that writes non-blocking and waits in ``selectors`` for ``EVENT_WRITE``
-    (epoll, then select) when a send meets a full buffer, to a reader slower than it: on TCP
-    (the oracle) and under smc-run, every byte arrives, the writer waits, and a wait ends only
-    with room. Before smc-run's readiness wrappers, an SMC connection's ``fileno()`` (an
-    eventfd) polled writable at once: every wait found no room, ~300,000 of them for these
-    24 MiB, a CPU burnt until the reader caught up."""
+def _to_slow_reader(daemon: PrivateSmcd, writer: str) -> list[tuple[str, list[str]]]:
+    """``writer`` (given the port) to :data:`SLOW_READER`, first on plain TCP (the oracle),
+    then both under smc-run: for each, what the writer printed (``WROTE n sha256 ...``), once
+    every byte arrived intact and each end was on the transport it should be."""
     plain = [os.fspath(PYTHON), "-c"]
-    env = _env(nocfg)
-    results = []
+    env = _env(daemon)
+    out = []
     for kind in ("tcp", "smcd"):
         if kind == "tcp":
             server = subprocess.Popen([*plain, SLOW_READER], env=env, text=True,
@@ -915,21 +912,32 @@ def test_a_non_blocking_writer_waits_for_room_instead_of_spinning(nocfg: Private
             try:
                 assert server.stdout is not None
                 port = server.stdout.readline().split()[1]
-                client = subprocess.run([*plain, SELECTORS_WRITER, port], capture_output=True,
+                client = subprocess.run([*plain, writer, port], capture_output=True,
                                         text=True, env=env, timeout=120)  # fmt: skip
                 sout, serr = server.communicate(timeout=60)
             finally:
                 server.kill()
         else:
-            client, sout, serr = _talk(nocfg, SLOW_READER, SELECTORS_WRITER)
+            client, sout, serr = _talk(daemon, SLOW_READER, writer)
             assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
             assert _modes(serr) == [("accept", "smcd", None)], serr
         assert client.returncode == 0, (kind, client.stderr, serr)
         wrote = client.stdout.split()
         assert wrote[0] == "WROTE", (kind, wrote)
         assert sout.split() == ["READ", wrote[1], wrote[2]], (kind, wrote, sout)
-        waits, idle = int(wrote[4]), int(wrote[6])
-        results.append((kind, waits, idle))
+        out.append((kind, wrote))
+    return out
+
+
+def test_a_non_blocking_writer_waits_for_room_instead_of_spinning(nocfg: PrivateSmcd) -> None:
+    """A stdlib program that writes non-blocking and waits in ``selectors`` for ``EVENT_WRITE``
+    (epoll, then select) when a send meets a full buffer, to a reader slower than it: on TCP
+    (the oracle) and under smc-run, every byte arrives, the writer waits, and a wait ends only
+    with room. Before smc-run's readiness wrappers, an SMC connection's ``fileno()`` (an
+    eventfd) polled writable at once: every wait found no room, ~300,000 of them for these
+    24 MiB, a CPU burnt until the reader caught up."""
+    results = [(kind, int(w[4]), int(w[6])) for kind, w in _to_slow_reader(nocfg, SELECTORS_WRITER)]
+    for _kind, waits, idle in results:
         assert waits >= 1, results  # the reader was the slower side: the writer waited
         assert idle <= 2 + waits // 50, results  # each wait ended with room
 
@@ -966,28 +974,7 @@ def test_an_edge_triggered_or_one_shot_epoll_writer_is_woken_by_room(nocfg: Priv
     that only reads: on TCP (the oracle) and under smc-run every byte arrives. Before, the
     eventfd's edge came only when the peer sent something: the edge-triggered writer waited for
     an edge that never came."""
-    plain = [os.fspath(PYTHON), "-c"]
-    env = _env(nocfg)
-    for kind in ("tcp", "smcd"):
-        if kind == "tcp":
-            server = subprocess.Popen([*plain, SLOW_READER], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-            try:
-                assert server.stdout is not None
-                port = server.stdout.readline().split()[1]
-                client = subprocess.run([*plain, EPOLL_WRITER, port], capture_output=True,
-                                        text=True, env=env, timeout=120)  # fmt: skip
-                sout, serr = server.communicate(timeout=60)
-            finally:
-                server.kill()
-        else:
-            client, sout, serr = _talk(nocfg, SLOW_READER, EPOLL_WRITER)
-            assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
-            assert _modes(serr) == [("accept", "smcd", None)], serr
-        assert client.returncode == 0, (kind, client.stderr, serr)
-        wrote = client.stdout.split()
-        assert wrote[0] == "WROTE", (kind, wrote)
-        assert sout.split() == ["READ", wrote[1], wrote[2]], (kind, wrote, sout)
+    for kind, wrote in _to_slow_reader(nocfg, EPOLL_WRITER):
         assert int(wrote[4]) >= 2, (kind, wrote)  # it waited, both ways
 
 
