@@ -672,7 +672,11 @@ async def sendall(loop: asyncio.AbstractEventLoop, sock: SmcSocket, data: Any) -
     """``loop.sock_sendall`` for an SMC socket: what does not fit waits for the peer's space
     kick on :meth:`~smc_handoff.channel.Channel.kick_fd` (``fileno()`` is an eventfd, always
     writable: asyncio's own would spin)."""
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:  # not flat bytes (text, a strided view): TCP's send says what is wrong
+        sock.send(data)
+        raise
     while view.nbytes:
         try:
             n = sock.send(view)

@@ -165,6 +165,8 @@ class Channel(ChannelBase):
             n = len(data)
         except TypeError:  # a buffer without len(), or not a buffer: the long way decides
             return 0
+        if type(data) is memoryview and not data.c_contiguous:
+            return 0  # a strided view: the long way decides (a TCP socket refuses it)
         # The peer's consumer word carries its flags: a reset or close stops us at once
         # (_dead too: a reader thread may have seen the peer die while we copied).
         if (
@@ -359,7 +361,11 @@ class Channel(ChannelBase):
     def recv_fast(self, buffer: Any) -> int:
         """Fill ``buffer`` (a bytearray or memoryview) by the fast path, or return 0: nothing
         there, EOF, an error, a wrap... — then :meth:`recv_into` decides."""
-        if self._rx_fast and type(buffer) in BUF_TYPES:
+        if (
+            self._rx_fast
+            and type(buffer) in BUF_TYPES
+            and (type(buffer) is bytearray or buffer.c_contiguous)  # strided: the long way
+        ):
             hdr = self._rx_hdr
             if not hdr[W_CONS] & ABORT_WORD:  # read flags *before* the producer cursor
                 prod = hdr[W_PROD]

@@ -169,6 +169,32 @@ def _unindex(fd: int) -> None:
         del by_fileno[fd]
 
 
+def _send_view(data: Buffer) -> memoryview:
+    """``data`` as flat bytes, or the error a TCP socket's send raises for it (the ``y*``
+    argument of CPython's socket calls: any C-contiguous buffer, shape and format aside)."""
+    try:
+        view = data if type(data) is memoryview else memoryview(data)
+    except TypeError:
+        raise TypeError(f"a bytes-like object is required, not '{type(data).__name__}'") from None
+    if not view.c_contiguous:
+        raise BufferError("memoryview: underlying buffer is not C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _recv_view(buffer: Buffer, call: str) -> memoryview:
+    """``buffer`` as flat writable bytes, or the ``TypeError`` a TCP socket's ``call`` raises
+    for it (CPython's ``w*``: a writable C-contiguous buffer)."""
+    try:
+        view = buffer if type(buffer) is memoryview else memoryview(buffer)
+    except TypeError:
+        view = None
+    if view is None or view.readonly or not view.c_contiguous:
+        raise TypeError(
+            f"{call}() argument 1 must be read-write bytes-like object, not {type(buffer).__name__}"
+        )
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def _ebadf() -> OSError:
     return OSError(errno.EBADF, os.strerror(errno.EBADF))
 
@@ -503,9 +529,7 @@ class SmcSocket(_BaseSocket):
             return super().recv_into(buffer, nbytes, flags)
         if flags:
             self._check_flags(flags)
-        view = buffer if type(buffer) is memoryview else memoryview(buffer)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _recv_view(buffer, "recv_into")
         if nbytes:
             if nbytes < 0:
                 raise ValueError("negative buffersize in recv_into")
@@ -693,7 +717,7 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recvfrom_into(buffer, nbytes, flags)
-        return self.recv_into(buffer, nbytes, flags), None
+        return self.recv_into(_recv_view(buffer, "recvfrom_into"), nbytes, flags), None
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -723,9 +747,7 @@ class SmcSocket(_BaseSocket):
             return super().send(data, flags)
         if flags:
             self._check_flags(flags, _SEND_FLAGS)
-        view = data if type(data) is memoryview else memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _send_view(data)
         if not view.nbytes:
             return 0
         n = self._send_some(smc, view, flags)
@@ -749,9 +771,7 @@ class SmcSocket(_BaseSocket):
             return super().sendall(data, flags)
         if flags:
             self._check_flags(flags, _SEND_FLAGS)
-        view = data if type(data) is memoryview else memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _send_view(data)
         if view.nbytes:  # what fits at once
             n = smc.channel.send_into(view)
             if n:
@@ -791,7 +811,11 @@ class SmcSocket(_BaseSocket):
             return super().sendmsg(buffers, ancdata, flags, address)
         if list(ancdata):
             raise OSError(errno.EOPNOTSUPP, "ancillary data cannot travel over an SMC connection")
-        return self.send(b"".join(memoryview(b).cast("B") for b in buffers), flags)
+        try:
+            parts = list(buffers)
+        except TypeError:
+            raise TypeError("sendmsg() argument 1 must be an iterable") from None
+        return self.send(b"".join([_send_view(b) for b in parts]), flags)
 
     def recvmsg(self, bufsize: int, ancbufsize: int = 0, flags: int = 0) -> Any:
         """On SMC: ``(data, [], 0, None)`` with ``data`` as :meth:`recv` returns it (no
@@ -813,7 +837,16 @@ class SmcSocket(_BaseSocket):
             return super().recvmsg_into(buffers, ancbufsize, flags)
         if ancbufsize < 0:
             raise ValueError("negative buffer size in recvmsg_into()")
-        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            parts = list(buffers)
+        except TypeError:
+            raise TypeError("recvmsg_into() argument 1 must be an iterable") from None
+        try:
+            views = [_recv_view(b, "recvmsg_into") for b in parts]
+        except TypeError:
+            raise TypeError(
+                "recvmsg_into() argument 1 must be an iterable of single-segment read-write buffers"
+            ) from None
         if len(views) == 1:
             return self.recv_into(views[0], 0, flags), [], 0, None
         scratch = bytearray(sum(v.nbytes for v in views))

@@ -307,3 +307,43 @@ def test_the_handoff_never_blocks_the_loop(tmp_path: Path, monkeypatch: pytest.M
         asyncio.run(asyncio.wait_for(main(), 30))
     finally:
         d.stop()
+
+
+def test_sock_sendall_refuses_what_tcp_refuses(daemon: MiniDaemon) -> None:
+    """``loop.sock_sendall`` with text or a strided view: the error asyncio's own raises on a
+    TCP socket (its first ``send`` refuses the buffer), and nothing reaches the peer."""
+    from smc_handoff import aio_transport
+    from tests.handoff.test_socket import tcp_pair, wrapped_pair
+
+    bad = ["text", memoryview(bytearray(b"abcdefgh"))[::2]]
+
+    async def outcomes(sendall: Any, sock: Any) -> list[tuple[str, str]]:
+        got = []
+        for data in bad:
+            try:
+                await sendall(sock, data)
+                got.append(("returned", ""))
+            except Exception as e:  # the kind and the words are compared
+                got.append((type(e).__name__, str(e)))
+        return got
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        oa, ob = tcp_pair()
+        a, b = wrapped_pair()
+        try:
+            oa.setblocking(False)
+            expected = await outcomes(loop.sock_sendall, oa)
+            assert [kind for kind, _ in expected] == ["TypeError", "BufferError"]
+            assert a.mode == "smcd"
+            a.setblocking(False)
+            smc = await outcomes(lambda s, d: aio_transport.sendall(loop, s, d), a)
+            assert smc == expected
+            await aio_transport.sendall(loop, a, b"ok")
+            b.settimeout(5)
+            assert b.recv(10) == b"ok"
+        finally:
+            for s in (oa, ob, a, b):
+                s.close()
+
+    asyncio.run(main())

@@ -1250,3 +1250,55 @@ def test_an_ioctl_answer_takes_the_forms_fcntl_returns() -> None:
     with pytest.raises(OSError) as e:
         _ioctl_answer(1234, 0, True)
     assert e.value.errno == errno.EFAULT
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return ("returned", call())
+    except Exception as e:  # the kind and the words are compared
+        return (type(e).__name__, str(e))
+
+
+BAD_BUFFER_CALLS: dict[str, Any] = {
+    # Writes from buffers a socket cannot take as they are: a strided view, text, a number.
+    "send strided": lambda a, b: a.send(memoryview(bytearray(b"abcdefgh"))[::2]),
+    "sendall strided": lambda a, b: a.sendall(memoryview(bytearray(b"abcdefgh"))[::2]),
+    "sendmsg strided": lambda a, b: a.sendmsg([b"ok", memoryview(bytearray(b"abcd"))[::2]]),
+    "sendto strided": lambda a, b: a.sendto(memoryview(bytearray(b"abcd"))[::2], a.getpeername()),
+    "send str": lambda a, b: a.send("text"),
+    "sendall str": lambda a, b: a.sendall("text"),
+    "sendmsg str": lambda a, b: a.sendmsg([b"ok", "text"]),
+    "send int": lambda a, b: a.send(3),
+    # Reads into buffers that cannot take bytes: read-only, strided, text.
+    "recv_into bytes": lambda a, b: b.recv_into(b"xxxx"),
+    "recv_into read-only view": lambda a, b: b.recv_into(memoryview(b"xxxx")),
+    "recv_into strided": lambda a, b: b.recv_into(memoryview(bytearray(8))[::2]),
+    "recv_into str": lambda a, b: b.recv_into("xxxx"),
+    "recvfrom_into bytes": lambda a, b: b.recvfrom_into(b"xxxx"),
+    "recvmsg_into bytes": lambda a, b: b.recvmsg_into([bytearray(2), b"xx"]),
+    "recvmsg_into strided": lambda a, b: b.recvmsg_into([memoryview(bytearray(8))[::2]]),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_BUFFER_CALLS))
+def test_a_buffer_tcp_refuses_is_refused_the_same_way(pair: tuple[Any, Any], call: str) -> None:
+    """Same exception, same words as on a TCP socket, and nothing moved: a program that
+    catches TCP's ``BufferError``/``TypeError`` (or prints it) cannot tell SMC apart, and
+    the stream after the refused call is the stream before it (data waits to be read)."""
+    a, b = pair
+    oracle_a, oracle_b = tcp_pair()
+    try:
+        oracle_a.sendall(b"wait")  # something to read both ways: no read call can block
+        oracle_b.sendall(b"back")
+        expected = _outcome(lambda: BAD_BUFFER_CALLS[call](oracle_a, oracle_b))
+    finally:
+        oracle_a.close()
+        oracle_b.close()
+    assert expected[0] != "returned"  # the oracle refuses it: else this case tests nothing
+    a.sendall(b"wait")
+    b.sendall(b"back")
+    assert _outcome(lambda: BAD_BUFFER_CALLS[call](a, b)) == expected
+    # Nothing was consumed and nothing was sent: the stream goes on as it was.
+    a.sendall(b"!")
+    assert recv_exactly(b, 5) == b"wait!"
+    assert recv_exactly(a, 4) == b"back"
