@@ -61,7 +61,6 @@ from typing import Any
 from smc_handoff import layout
 from smc_handoff.channel_base import (
     ABORT_WORD,
-    BUF_TYPES,
     CURSOR_MASK,
     PEER_CONN_ABORT,
     PEER_CONN_CLOSED,
@@ -108,6 +107,8 @@ DMB_SIZES = layout.DMB_SIZES
 ONE_WRAP = 1 << WRAP_SHIFT
 """A producer word's wrap field one lap ahead of ours, minus ours (masked to the field)."""
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+_RING_AT = layout.CDC_HEADER_LEN
+"""Where the ring starts in a DMB's mapping (after the CDC header)."""
 
 
 class Channel(ChannelBase):
@@ -165,8 +166,6 @@ class Channel(ChannelBase):
             n = len(data)
         except TypeError:  # a buffer without len(), or not a buffer: the long way decides
             return 0
-        if type(data) is memoryview and not data.c_contiguous:
-            return 0  # a strided view: the long way decides (a TCP socket refuses it)
         # The peer's consumer word carries its flags: a reset or close stops us at once
         # (_dead too: a reader thread may have seen the peer die while we copied).
         if (
@@ -176,10 +175,14 @@ class Channel(ChannelBase):
             and not self._dead
         ):
             pos = self._tx_pos
+            at = pos + _RING_AT
             try:
-                self._tx_ring[pos : pos + n] = data
-            except (TypeError, ValueError, NotImplementedError):  # not flat bytes: long way
-                return 0
+                # Through the mapping, not the ring's memoryview: faster, and it takes only a
+                # C-contiguous buffer, as a TCP socket's send does (a view's store would copy
+                # a strided one).
+                self._tx_mm[at : at + n] = data
+            except (TypeError, ValueError, IndexError, BufferError, NotImplementedError):
+                return 0  # not flat bytes (or a multi-byte format): the long way decides
             pos += n
             self._tx_hdr[W_PROD] = self._tx_wbits | pos << COUNT_SHIFT
             self._tx_pos = pos
@@ -231,7 +234,7 @@ class Channel(ChannelBase):
         # To the ring's end and on from its start: two copies, one cursor store.
         try:
             mv = data if type(data) is memoryview else memoryview(data)
-            if mv.ndim != 1 or mv.itemsize != 1:
+            if mv.ndim != 1 or mv.itemsize != 1 or not mv.c_contiguous:
                 return 0
             ring = self._tx_ring
             ring[pos:L] = mv[:end]
@@ -361,11 +364,9 @@ class Channel(ChannelBase):
     def recv_fast(self, buffer: Any) -> int:
         """Fill ``buffer`` (a bytearray or memoryview) by the fast path, or return 0: nothing
         there, EOF, an error, a wrap... — then :meth:`recv_into` decides."""
-        if (
-            self._rx_fast
-            and type(buffer) in BUF_TYPES
-            and (type(buffer) is bytearray or buffer.c_contiguous)  # strided: the long way
-        ):
+        kind = type(buffer)
+        # A strided view goes the long way (a TCP socket's recv_into refuses it).
+        if self._rx_fast and (kind is bytearray or (kind is memoryview and buffer.c_contiguous)):
             hdr = self._rx_hdr
             if not hdr[W_CONS] & ABORT_WORD:  # read flags *before* the producer cursor
                 prod = hdr[W_PROD]
