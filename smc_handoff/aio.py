@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from smc_handoff.aio_transport import SmcTransport, loop_dmb_size, run_handoff
+from smc_handoff.aio_transport import SmcTransport, loop_dmb_size, run_handoff, set_nodelay
 from smc_handoff.messages import Fallback
 from smc_handoff.socket import SmcServer, SmcSocket, accepted, connect, listen
 
@@ -55,6 +55,7 @@ async def _streams(
     """Reader/writer over ``sock``: asyncio's own on TCP, :class:`_SmcTransport` on SMC."""
     loop = asyncio.get_running_loop()
     if sock.mode == "tcp":
+        set_nodelay(sock)  # asyncio's transport would not (see set_nodelay)
         reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
         _TCP_SOCKETS[writer.transport] = sock
     else:

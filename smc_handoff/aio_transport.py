@@ -61,6 +61,7 @@ __all__ = [
     "loop_dmb_size",
     "run_handoff",
     "sendall",
+    "set_nodelay",
 ]
 
 HANDOFF_THREADS = 32
@@ -126,6 +127,16 @@ async def run_handoff(fn: Callable[..., _T], *args: Any) -> _T:
         raise
 
 
+def set_nodelay(sock: _socket.socket) -> None:
+    """``TCP_NODELAY`` on a TCP connection, as asyncio's transports set it on every one they
+    carry: on fallback it is the data's Nagle, on SMC what ``get_extra_info("socket")`` reads
+    back. asyncio's own check wants the protocol number, which a socket of
+    ``socket.create_server`` (an accepted one) does not carry (0)."""
+    if sock.family in (_socket.AF_INET, _socket.AF_INET6) and sock.type == _socket.SOCK_STREAM:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+
+
 def _server_call(server: Any, name: str, transport: asyncio.BaseTransport) -> None:
     """``Server._attach``/``_detach`` (so ``Server.wait_closed`` counts our connections too):
     without argument in Python 3.11/3.12, with the transport from 3.13 on."""
@@ -162,6 +173,7 @@ class SmcTransport(asyncio.Transport):
         self._loop = loop
         self._sock = sock
         sock.setblocking(False)
+        set_nodelay(sock)
         channel = sock.channel
         if channel is None:
             raise ValueError("SmcTransport needs a socket in SMC mode")

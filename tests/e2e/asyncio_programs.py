@@ -9,7 +9,7 @@ from __future__ import annotations
 STREAMS = r'''
 """asyncio streams: 'server' counts and hashes what it reads (or aborts, or stalls), 'client'
 sends N bytes in 64 KiB writes, waiting for a line on stdin after the first write."""
-import asyncio, hashlib, random, sys
+import asyncio, hashlib, random, socket, sys
 
 role, mode = sys.argv[1], sys.argv[2]
 
@@ -108,7 +108,9 @@ async def client(port, n):
         h.update(chunk)
         sent += len(chunk)
         if sent == len(chunk):
-            print("connected", type(transport).__name__, flush=True)
+            tcp = transport.get_extra_info("socket")  # asyncio sets TCP_NODELAY on it
+            nodelay = tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            print("connected", type(transport).__name__, "nodelay", nodelay, flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)
         if mode == "stall" and not stall and proto.paused:
             stall.append(asyncio.create_task(watch(transport)))

@@ -123,8 +123,9 @@ def test_protocol_and_streams_pair_on_smcd(programs: Programs, smcd: Smcd, mode:
     server = programs.streams("server", mode)
     port = int(_line(server, r"port (\d+)").group(1))
     client = programs.streams("client", mode, port, n)
-    connected = _line(client, r"connected (\w+)")
-    assert connected.group(1) == "SmcTransport", connected.group(0)
+    connected = _line(client, r"connected (\w+) nodelay (\d+)")
+    # TCP_NODELAY as asyncio sets it on a TCP connection's socket
+    assert connected.groups() == ("SmcTransport", "1"), connected.group(0)
     smcd.wait_conns(_both_smcd(port))
     _go(client)
     if mode == "stall":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +348,29 @@ def test_sock_sendall_refuses_what_tcp_refuses(daemon: MiniDaemon) -> None:
                 s.close()
 
     asyncio.run(main())
+
+
+def test_both_ends_have_tcp_nodelay_as_asyncio_sets_it(setup: str) -> None:
+    """asyncio sets ``TCP_NODELAY`` on every TCP connection its transports carry; a program
+    that reads it back through ``get_extra_info("socket")`` sees the same on SMC."""
+
+    async def main() -> None:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            await reader.read()
+            writer.close()
+
+        async with await aio.start_server(handler, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            _reader, writer = await aio.open_connection("127.0.0.1", port)
+            assert aio.smc_socket(writer).mode == setup
+            sock = writer.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert await accepted == 1
+            writer.close()
+            await writer.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
