@@ -53,9 +53,11 @@ import contextlib
 import errno
 import functools
 import logging
+import operator
 import os
 import socket as _socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -121,6 +123,11 @@ _SIOCINQ = 0x541B  # FIONREAD
 _IOCTLS = frozenset((_SIOCINQ, 0x5411, 0x894B))  # SIOCINQ, SIOCOUTQ (TIOCOUTQ), SIOCOUTQNSD
 Buffer = Any  # collections.abc.Buffer arrives with Python 3.12
 _Smc = ChannelState
+_ZERO = 0
+"""``flags is _ZERO``: the fast paths' test for "no flags", which (unlike ``not flags``) lets
+``None``, ``0.0`` or ``""`` through to the long way, where they are refused as TCP refuses them."""
+_INT_MAX = 0x7FFFFFFF
+_SSIZE_MAX = sys.maxsize
 
 
 def is_eventfd(fd: int) -> bool:
@@ -193,6 +200,38 @@ def _recv_view(buffer: Buffer, call: str) -> memoryview:
             f"{call}() argument 1 must be read-write bytes-like object, not {type(buffer).__name__}"
         )
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _integer(value: Any) -> int:
+    """``value`` as CPython's socket calls take an integer argument (an int, or anything with
+    ``__index__``), or their ``TypeError``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"'{type(value).__name__}' object cannot be interpreted as an integer"
+        ) from None
+
+
+def _c_int(value: Any) -> int:
+    """A flags argument (CPython's ``i``): an integer within a C int, or its error."""
+    n = value if type(value) is int else _integer(value)
+    if n > _INT_MAX:
+        raise OverflowError("signed integer is greater than maximum")
+    if n < -_INT_MAX - 1:
+        raise OverflowError("signed integer is less than minimum")
+    return n
+
+
+def _size(value: Any, negative: str) -> int:
+    """A size argument (CPython's ``n``: a ``ssize_t``), non-negative: else the error a TCP
+    socket's call raises (``negative``: its ``ValueError``'s words, which differ by call)."""
+    n = value if type(value) is int else _integer(value)
+    if not -_SSIZE_MAX - 1 <= n <= _SSIZE_MAX:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    if n < 0:
+        raise ValueError(negative)
+    return n
 
 
 def _ebadf() -> OSError:
@@ -475,7 +514,7 @@ class SmcSocket(_BaseSocket):
         (:func:`smc_handoff.handoff.answer_late_proposal`), so it never reaches the application."""
         if not self._clc_guard:
             return
-        if not answer_late_proposal(self, flags):
+        if not answer_late_proposal(self, _c_int(flags)):  # bad flags: TCP's error, first
             # nothing was there when it looked: the read must not go on to the socket, where
             # the head of a Proposal arriving meanwhile would reach the application
             raise _eagain()
@@ -502,16 +541,19 @@ class SmcSocket(_BaseSocket):
         return left
 
     @staticmethod
-    def _check_flags(flags: int, allowed: int = _RECV_FLAGS) -> None:
-        """``MSG_OOB`` (urgent data) and ``MSG_ERRQUEUE`` have no meaning on an SMC channel."""
-        if flags & ~allowed:
+    def _check_flags(flags: Any, allowed: int = _RECV_FLAGS) -> int:
+        """``flags`` as an int (refused as TCP refuses a non-integer). ``MSG_OOB`` (urgent
+        data) and ``MSG_ERRQUEUE`` have no meaning on an SMC channel."""
+        n = _c_int(flags)
+        if n & ~allowed:
             raise OSError(errno.EOPNOTSUPP, "this flag is not supported on an SMC connection")
+        return n
 
     # -- receiving -----------------------------------------------------------------------------
 
     def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
         smc = self._smc  # None once closed: then _live() below raises EBADF
-        if smc is not None and not nbytes and not flags and not smc.rd_shut:
+        if smc is not None and nbytes is _ZERO and flags is _ZERO and not smc.rd_shut:
             ch = smc.channel
             n = ch.recv_fast(buffer)  # the fast path: data there, one copy
             if n:
@@ -527,12 +569,12 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recv_into(buffer, nbytes, flags)
-        if flags:
-            self._check_flags(flags)
+        if flags is not _ZERO:
+            flags = self._check_flags(flags)
         view = _recv_view(buffer, "recv_into")
+        if nbytes is not _ZERO:
+            nbytes = _size(nbytes, "negative buffersize in recv_into")
         if nbytes:
-            if nbytes < 0:
-                raise ValueError("negative buffersize in recv_into")
             if nbytes > view.nbytes:
                 raise ValueError("buffer too small for requested bytes")
             view = view[:nbytes]
@@ -617,10 +659,10 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recv(bufsize, flags)
-        if bufsize < 0:
-            raise ValueError("negative buffersize in recv")
+        if type(bufsize) is not int or not 0 <= bufsize <= _SSIZE_MAX:
+            bufsize = _size(bufsize, "negative buffersize in recv")
         smc = self._smc
-        if smc is not None and not flags and not smc.rd_shut:
+        if smc is not None and flags is _ZERO and not smc.rd_shut:
             data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out of the ring
             if data:
                 return data
@@ -710,14 +752,17 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recvfrom(bufsize, flags)
-        return self.recv(bufsize, flags), None
+        return self.recv(_size(bufsize, "negative buffersize in recvfrom"), flags), None
 
     def recvfrom_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> tuple[int, Any]:
         if self._live() is None:
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recvfrom_into(buffer, nbytes, flags)
-        return self.recv_into(_recv_view(buffer, "recvfrom_into"), nbytes, flags), None
+        view = _recv_view(buffer, "recvfrom_into")
+        if nbytes is not _ZERO:
+            nbytes = _size(nbytes, "negative buffersize in recvfrom_into")
+        return self.recv_into(view, nbytes, flags), None
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -738,15 +783,15 @@ class SmcSocket(_BaseSocket):
 
     def send(self, data: Buffer, flags: int = 0) -> int:
         smc = self._smc  # None once closed: then _live() below raises EBADF
-        if smc is not None and not flags:
+        if smc is not None and flags is _ZERO:
             n = smc.channel.send_fast(data)  # the fast path: all of it fits, one copy
             if n:
                 return n
         smc = self._live()
         if smc is None:
             return super().send(data, flags)
-        if flags:
-            self._check_flags(flags, _SEND_FLAGS)
+        if flags is not _ZERO:
+            flags = self._check_flags(flags, _SEND_FLAGS)
         view = _send_view(data)
         if not view.nbytes:
             return 0
@@ -764,13 +809,13 @@ class SmcSocket(_BaseSocket):
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:
         smc = self._smc  # None once closed: then _live() below raises EBADF
-        if smc is not None and not flags and smc.channel.send_fast(data):
+        if smc is not None and flags is _ZERO and smc.channel.send_fast(data):
             return None  # the fast path: all of it fitted, one copy
         smc = self._live()
         if smc is None:
             return super().sendall(data, flags)
-        if flags:
-            self._check_flags(flags, _SEND_FLAGS)
+        if flags is not _ZERO:
+            flags = self._check_flags(flags, _SEND_FLAGS)
         view = _send_view(data)
         if view.nbytes:  # what fits at once
             n = smc.channel.send_into(view)
@@ -809,7 +854,11 @@ class SmcSocket(_BaseSocket):
             if address is None:
                 return super().sendmsg(buffers, ancdata, flags)
             return super().sendmsg(buffers, ancdata, flags, address)
-        if list(ancdata):
+        try:
+            anc = list(ancdata)
+        except TypeError:
+            raise TypeError("sendmsg() argument 2 must be an iterable") from None
+        if anc:
             raise OSError(errno.EOPNOTSUPP, "ancillary data cannot travel over an SMC connection")
         try:
             parts = list(buffers)
@@ -824,8 +873,8 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recvmsg(bufsize, ancbufsize, flags)
-        if ancbufsize < 0:
-            raise ValueError("negative buffer size in recvmsg()")
+        bufsize = _size(bufsize, "negative buffer size in recvmsg()")
+        _size(ancbufsize, "invalid ancillary data buffer length")
         return self.recv(bufsize, flags), [], 0, None
 
     def recvmsg_into(self, buffers: Any, ancbufsize: int = 0, flags: int = 0) -> Any:
@@ -835,8 +884,7 @@ class SmcSocket(_BaseSocket):
             if self._clc_guard:
                 self._tcp_read(flags)
             return super().recvmsg_into(buffers, ancbufsize, flags)
-        if ancbufsize < 0:
-            raise ValueError("negative buffer size in recvmsg_into()")
+        _size(ancbufsize, "invalid ancillary data buffer length")
         try:
             parts = list(buffers)
         except TypeError:
@@ -864,6 +912,9 @@ class SmcSocket(_BaseSocket):
         smc = self._live()
         if smc is None:
             return super().shutdown(how)
+        how = how if type(how) is int else _integer(how)
+        if how > _INT_MAX or how < -_INT_MAX - 1:
+            raise OverflowError("Python int too large to convert to C int")
         if how not in (_socket.SHUT_RD, _socket.SHUT_WR, _socket.SHUT_RDWR):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         if how in (_socket.SHUT_RD, _socket.SHUT_RDWR) and not smc.rd_shut:

@@ -1259,7 +1259,7 @@ def _outcome(call: Any) -> Any:
         return (type(e).__name__, str(e))
 
 
-BAD_BUFFER_CALLS: dict[str, Any] = {
+REFUSED_CALLS: dict[str, Any] = {
     # Writes from buffers a socket cannot take as they are: a strided view, text, a number.
     "send strided": lambda a, b: a.send(memoryview(bytearray(b"abcdefgh"))[::2]),
     "sendall strided": lambda a, b: a.sendall(memoryview(bytearray(b"abcdefgh"))[::2]),
@@ -1277,27 +1277,58 @@ BAD_BUFFER_CALLS: dict[str, Any] = {
     "recvfrom_into bytes": lambda a, b: b.recvfrom_into(b"xxxx"),
     "recvmsg_into bytes": lambda a, b: b.recvmsg_into([bytearray(2), b"xx"]),
     "recvmsg_into strided": lambda a, b: b.recvmsg_into([memoryview(bytearray(8))[::2]]),
+    # Sizes and flags that are not integers a C call takes, or out of its range, and the
+    # ValueErrors of each call in its own words.
+    "recv negative": lambda a, b: b.recv(-1),
+    "recv float": lambda a, b: b.recv(1.5),
+    "recv too large": lambda a, b: b.recv(2**63),
+    "recv str flags": lambda a, b: b.recv(4, "f"),
+    "recv float zero flags": lambda a, b: b.recv(4, 0.0),
+    "recv flags too large": lambda a, b: b.recv(4, 2**31),
+    "recv_into negative": lambda a, b: b.recv_into(bytearray(4), -1),
+    "recv_into more than the buffer": lambda a, b: b.recv_into(bytearray(4), 10),
+    "recv_into str nbytes": lambda a, b: b.recv_into(bytearray(4), "x"),
+    "recv_into huge nbytes": lambda a, b: b.recv_into(bytearray(4), 2**63),
+    "recv_into None flags": lambda a, b: b.recv_into(bytearray(4), 0, None),
+    "recv_into flags too small": lambda a, b: b.recv_into(bytearray(4), 0, -(2**31) - 1),
+    "recvfrom negative": lambda a, b: b.recvfrom(-1),
+    "recvfrom_into negative": lambda a, b: b.recvfrom_into(bytearray(4), -1),
+    "recvmsg negative": lambda a, b: b.recvmsg(-1),
+    "recvmsg negative ancbufsize": lambda a, b: b.recvmsg(4, -1),
+    "recvmsg str ancbufsize": lambda a, b: b.recvmsg(4, "x"),
+    "recvmsg_into negative ancbufsize": lambda a, b: b.recvmsg_into([bytearray(4)], -1),
+    "recvmsg_into not iterable": lambda a, b: b.recvmsg_into(5),
+    "send str flags": lambda a, b: a.send(b"x", "f"),
+    "send None flags": lambda a, b: a.send(b"x", None),
+    "send flags too large": lambda a, b: a.send(b"x", 2**40),
+    "sendall float zero flags": lambda a, b: a.sendall(b"x", 0.0),
+    "sendmsg ancdata not iterable": lambda a, b: a.sendmsg([b"x"], 5),
+    "sendmsg str flags": lambda a, b: a.sendmsg([b"x"], [], "f"),
+    "shutdown str": lambda a, b: a.shutdown("x"),
+    "shutdown too large": lambda a, b: a.shutdown(2**31),
+    "shutdown unknown": lambda a, b: a.shutdown(5),
 }
 
 
-@pytest.mark.parametrize("call", sorted(BAD_BUFFER_CALLS))
-def test_a_buffer_tcp_refuses_is_refused_the_same_way(pair: tuple[Any, Any], call: str) -> None:
+@pytest.mark.parametrize("call", sorted(REFUSED_CALLS))
+def test_a_call_tcp_refuses_is_refused_the_same_way(pair: tuple[Any, Any], call: str) -> None:
     """Same exception, same words as on a TCP socket, and nothing moved: a program that
-    catches TCP's ``BufferError``/``TypeError`` (or prints it) cannot tell SMC apart, and
-    the stream after the refused call is the stream before it (data waits to be read)."""
+    catches TCP's ``BufferError``/``TypeError``/``ValueError`` (or prints it) cannot tell SMC
+    apart, and the stream after the refused call is the stream before it (data waits to be
+    read). (``MSG_OOB`` and ``MSG_ERRQUEUE`` are refused as the kernel's AF_SMC refuses them.)"""
     a, b = pair
     oracle_a, oracle_b = tcp_pair()
     try:
         oracle_a.sendall(b"wait")  # something to read both ways: no read call can block
         oracle_b.sendall(b"back")
-        expected = _outcome(lambda: BAD_BUFFER_CALLS[call](oracle_a, oracle_b))
+        expected = _outcome(lambda: REFUSED_CALLS[call](oracle_a, oracle_b))
     finally:
         oracle_a.close()
         oracle_b.close()
     assert expected[0] != "returned"  # the oracle refuses it: else this case tests nothing
     a.sendall(b"wait")
     b.sendall(b"back")
-    assert _outcome(lambda: BAD_BUFFER_CALLS[call](a, b)) == expected
+    assert _outcome(lambda: REFUSED_CALLS[call](a, b)) == expected
     # Nothing was consumed and nothing was sent: the stream goes on as it was.
     a.sendall(b"!")
     assert recv_exactly(b, 5) == b"wait!"
