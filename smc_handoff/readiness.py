@@ -33,6 +33,12 @@ A one-shot registration (``EPOLLONESHOT``) reports one event, room included, the
 the program modifies it: the wrapper disarms the real registration when it reports room itself,
 and stops looking for room once the real one reported reading.
 
+A link that wakes the poll without room to report (a spare kick: the peer kicked twice, and one
+was taken before) does not end it: the wrapper polls on for what is left of the timeout, as the
+real poll would have slept on. An empty answer before the timeout, which programs read as the
+timeout, came from such a kick once a writer filled the ring again between two of the peer's
+kicks.
+
 Not translated: ``POLLRDHUP`` asked without ``POLLIN`` is never reported; and an edge-triggered
 ``EPOLLIN`` comes when data arrives at an empty ring (the eventfd's kick), not at each arrival as
 TCP's does, which a reader that reads until ``EAGAIN`` (as epoll(7) asks) does not see.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import select as _select
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -60,6 +67,17 @@ _real_poll = _select.poll
 _real_epoll = _select.epoll
 _POLL_DEFAULT = _select.POLLIN | _select.POLLPRI | _select.POLLOUT
 _EPOLL_DEFAULT = _select.EPOLLIN | _select.EPOLLPRI | _select.EPOLLOUT
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """When a poll of ``timeout`` seconds ends (None: never; a negative one is the real call's
+    to judge, and waits forever for poll and epoll)."""
+    return None if timeout is None or timeout < 0 else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds of the poll left (None: no end), for the next real poll after a spare kick."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _fd(obj: Any) -> int:
@@ -127,21 +145,27 @@ class _Select:
         ]
         if not smc:
             return _real_select(rlist, wlist, xlist, timeout)
-        rooms = _Rooms()
         ours = {id(obj) for obj, _, _ in smc}
-        for _obj, fd, sock in smc:
-            rooms.ask(fd, sock)
-        links = rooms.links
         rest = [obj for obj in wlist if id(obj) not in ours]
-        try:
-            r, w, x = _real_select([*rlist, *links], rest, xlist, 0 if rooms.ready else timeout)
-        finally:
-            room = rooms.done()
-        if links:
-            hidden = set(links)
-            r = [obj for obj in r if not (isinstance(obj, int) and obj in hidden)]
-        w.extend(obj for obj, fd, _ in smc if fd in room)
-        return r, w, x
+        rlist, xlist = list(rlist), list(xlist)  # polled again after a spare kick
+        deadline, wait = _deadline(timeout), timeout
+        while True:
+            rooms = _Rooms()
+            for _obj, fd, sock in smc:
+                rooms.ask(fd, sock)
+            links = rooms.links
+            try:
+                r, w, x = _real_select([*rlist, *links], rest, xlist, 0 if rooms.ready else wait)
+            finally:
+                room = rooms.done()
+            woke = bool(r)
+            if links:
+                hidden = set(links)
+                r = [obj for obj in r if not (isinstance(obj, int) and obj in hidden)]
+            w.extend(obj for obj, fd, _ in smc if fd in room)
+            if r or w or x or not woke or (wait := _left(deadline)) == 0:
+                return r, w, x
+            # a spare kick on a link, no room: nothing to report, sleep on as select would
 
 
 smc_select = _Select()
@@ -300,21 +324,28 @@ class SmcPoll(_Translated):
         self._p.register(fd, mask)
 
     def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
-        asked = self._rooms() if self._out and by_fileno else None
-        if asked is None:
-            passed: list[tuple[int, int]] = self._p.poll(timeout)
-            return self._hup(passed) if self._rdhup and by_fileno else passed
-        rooms, links = asked, asked.links
-        for link in links:
-            self._p.register(link, _IN)
-        try:
-            events = self._p.poll(0 if rooms.ready else timeout)
-        finally:
+        deadline = None if timeout is None else _deadline(timeout / 1000)
+        wait = timeout
+        while True:
+            asked = self._rooms() if self._out and by_fileno else None
+            if asked is None:
+                passed: list[tuple[int, int]] = self._p.poll(wait)
+                return self._hup(passed) if self._rdhup and by_fileno else passed
+            rooms, links = asked, asked.links
             for link in links:
-                with contextlib.suppress(KeyError):
-                    self._p.unregister(link)
-            room = rooms.done()  # also when the poll raised: no request is left armed
-        return self._hup(self._merge(events, room, set(links)))
+                self._p.register(link, _IN)
+            try:
+                events = self._p.poll(0 if rooms.ready else wait)
+            finally:
+                for link in links:
+                    with contextlib.suppress(KeyError):
+                        self._p.unregister(link)
+                room = rooms.done()  # also when the poll raised: no request is left armed
+            out = self._hup(self._merge(events, room, set(links)))
+            left = _left(deadline)
+            if out or not events or left == 0:
+                return out
+            wait = None if left is None else left * 1000  # a spare kick: sleep on
 
 
 class SmcEpoll(_Translated):
@@ -357,28 +388,33 @@ class SmcEpoll(_Translated):
         self._p.modify(fd, mask)
 
     def poll(self, timeout: float | None = -1, maxevents: int = -1) -> list[tuple[int, int]]:
-        asked = self._rooms() if self._out and by_fileno else None
-        if asked is None:
-            passed: list[tuple[int, int]] = self._p.poll(timeout, maxevents)
-            return self._hup(passed) if self._rdhup and by_fileno else passed
-        rooms, links = asked, asked.links
-        hidden: set[int] = set()
-        try:
-            for link in links:
-                try:
-                    self._p.register(link, _IN)
-                except OSError:  # registered by the program itself: not ours to poll
-                    continue
-                hidden.add(link)
-            # no more than maxevents: an edge or one-shot event cut off below would be lost
-            events = self._p.poll(0 if rooms.ready else timeout, maxevents)
-        finally:
-            for link in hidden:
-                with contextlib.suppress(OSError):
-                    self._p.unregister(link)
-            room = rooms.done()  # also when the poll raised: no request is left armed
-        out = self._hup(self._merge(events, room, hidden))
-        return self._edges(out if maxevents <= 0 else out[:maxevents])
+        deadline, wait = _deadline(timeout), timeout
+        while True:
+            asked = self._rooms() if self._out and by_fileno else None
+            if asked is None:
+                passed: list[tuple[int, int]] = self._p.poll(wait, maxevents)
+                return self._hup(passed) if self._rdhup and by_fileno else passed
+            rooms, links = asked, asked.links
+            hidden: set[int] = set()
+            try:
+                for link in links:
+                    try:
+                        self._p.register(link, _IN)
+                    except OSError:  # registered by the program itself: not ours to poll
+                        continue
+                    hidden.add(link)
+                # no more than maxevents: an edge or one-shot event cut off below would be lost
+                events = self._p.poll(0 if rooms.ready else wait, maxevents)
+            finally:
+                for link in hidden:
+                    with contextlib.suppress(OSError):
+                        self._p.unregister(link)
+                room = rooms.done()  # also when the poll raised: no request is left armed
+            out = self._hup(self._merge(events, room, hidden))
+            left = _left(deadline)
+            if out or not events or left == 0:
+                return self._edges(out if maxevents <= 0 else out[:maxevents])
+            wait = -1 if left is None else left  # a spare kick: sleep on
 
 
 def install(select: Any = _select, selectors: Any | None = None) -> None:

@@ -167,6 +167,31 @@ def test_a_peer_that_goes_away_wakes_a_writer_waiting_for_room(pair: Any, how: s
     assert err.value.errno in (errno.ECONNRESET, errno.EPIPE), err.value
 
 
+@pytest.mark.parametrize("how", HOWS)
+def test_a_spare_kick_does_not_end_a_wait_for_room_before_its_time(
+    daemon: MiniDaemon, wrapped: None, how: str
+) -> None:
+    """A kick on the link with no room behind it (the peer kicked twice and the first was
+    taken: a writer that filled the ring again in between meets it) is not an answer: the
+    poll sleeps on to its timeout (an empty answer earlier reads as the timeout, and a
+    selectors writer that asserts on it failed in the Soft-RoCE VM), and room still wakes it."""
+    a, b = wrapped_pair()
+    try:
+        n = fill(a)
+        spare = socket.socket(fileno=os.dup(b.channel.kick_fd()))
+        spare.send(b"k")  # a kick of the peer's, as its reader sends one, with no room freed
+        spare.close()
+        t0 = time.monotonic()
+        assert poll_for(a, how, 0.3) == (False, False)
+        assert time.monotonic() - t0 >= 0.25, "the poll answered before its timeout"
+        t = later(0.2, lambda: drain(b, n))
+        assert poll_for(a, how, 10.0) == (False, True)
+        t.join()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_non_blocking_writer_to_a_slow_reader_waits_instead_of_spinning(pair: Any) -> None:
     """The wake-ups of a selectors writer that find no room: none on TCP, and none on SMC now
     (before: every one, ~290,000 for these 20 MB). The bytes arrive intact."""
