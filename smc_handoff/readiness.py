@@ -69,10 +69,14 @@ _POLL_DEFAULT = _select.POLLIN | _select.POLLPRI | _select.POLLOUT
 _EPOLL_DEFAULT = _select.EPOLLIN | _select.EPOLLPRI | _select.EPOLLOUT
 
 
-def _deadline(timeout: float | None) -> float | None:
-    """When a poll of ``timeout`` seconds ends (None: never; a negative one is the real call's
-    to judge, and waits forever for poll and epoll)."""
-    return None if timeout is None or timeout < 0 else time.monotonic() + timeout
+def _deadline(timeout: Any, scale: float = 1.0) -> float | None:
+    """When a poll of ``timeout`` seconds (times ``scale``) ends. None: never, or a timeout
+    that is not a number, which the real call refuses in its own words first (a negative one
+    is the real call's to judge too, and waits forever for poll and epoll)."""
+    try:
+        return None if timeout is None or timeout < 0 else time.monotonic() + timeout * scale
+    except TypeError:
+        return None
 
 
 def _left(deadline: float | None) -> float | None:
@@ -324,7 +328,7 @@ class SmcPoll(_Translated):
         self._p.register(fd, mask)
 
     def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
-        deadline = None if timeout is None else _deadline(timeout / 1000)
+        deadline = _deadline(timeout, 0.001)  # milliseconds
         wait = timeout
         while True:
             asked = self._rooms() if self._out and by_fileno else None

@@ -192,6 +192,37 @@ def test_a_spare_kick_does_not_end_a_wait_for_room_before_its_time(
         b.close()
 
 
+def test_a_timeout_that_is_not_a_number_is_refused_in_the_real_calls_words(
+    daemon: MiniDaemon, wrapped: None
+) -> None:
+    """With an SMC connection asked for writing, as without one."""
+    a, b = wrapped_pair()
+    try:
+        fill(a)
+        p, ep = select.poll(), select.epoll()
+        p.register(a, select.POLLOUT)
+        ep.register(a, select.EPOLLOUT)
+        real_select, real_poll, real_epoll = (  # the calls the wrappers stand for
+            readiness._real_select,
+            readiness._real_poll,
+            readiness._real_epoll,
+        )
+        for call, real in (
+            (lambda: select.select([], [a], [], "x"), lambda: real_select([], [], [], "x")),
+            (lambda: p.poll("x"), lambda: real_poll().poll("x")),
+            (lambda: ep.poll("x"), lambda: real_epoll().poll("x")),
+        ):
+            with pytest.raises(TypeError) as ours:
+                call()
+            with pytest.raises(TypeError) as theirs:
+                real()
+            assert str(ours.value) == str(theirs.value)
+        ep.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_non_blocking_writer_to_a_slow_reader_waits_instead_of_spinning(pair: Any) -> None:
     """The wake-ups of a selectors writer that find no room: none on TCP, and none on SMC now
     (before: every one, ~290,000 for these 20 MB). The bytes arrive intact."""
