@@ -75,7 +75,6 @@ from smc_handoff.handoff import (
     answer,
     answer_late_proposal,
     clc_at_head,
-    hand_over,
     offer,
     reset,
 )
@@ -265,27 +264,29 @@ _UNSUPPORTED = Fallback(
 
 def _channel_refused() -> Fallback | None:
     """Checked before asking the daemon (once it answered CHANNEL there is no way back to TCP),
-    and only when there is one: a process without smcd never loads the channel modules."""
-    if _ring_module is None:
-        _load_channel()
-    return None if _ring_module.ORDERING_OK else _UNSUPPORTED
+    and only when there is one."""
+    return None if layout.ORDERING_OK else _UNSUPPORTED
 
 
 _channel_class: type[_Channel] | None = None
-_ring_module: Any = None
 
 
 def _load_channel() -> type[_Channel]:
     """Import the channel modules once (an import statement in the handoff would look them up
     again on every connection). Deferred handoff answers are read before a fork, ahead of the
-    channels' own preparation for it (a read may make a channel)."""
-    global _channel_class, _ring_module
-    from smc_handoff import layout as _ring
+    channels' own preparation for it (a read may make a channel).
+
+    A process loads them only once it has asked smcd (a process without smcd never does), and
+    after its request left: the import (milliseconds, the first connection only) then runs
+    while the daemon negotiates, not between ``connect()`` and the request, where it delayed
+    the request and, on a busy machine, could outlast a server half's wait for this client
+    (``timeouts.local_client_wait``)."""
+    global _channel_class
     from smc_handoff.channel import Channel
     from smc_handoff.channel_base import run_before_fork
 
     run_before_fork(_settle_all)
-    _ring_module, _channel_class = _ring, Channel
+    _channel_class = Channel
     return Channel
 
 
@@ -426,12 +427,17 @@ class SmcSocket(_BaseSocket):
             if isinstance(sent, Offer):  # (a fork reads the answer first: _load_channel)
                 self._pending = _Pending(sent, defer)
                 _unsettled.add(self)
+                if _channel_class is None:
+                    _load_channel()
                 return
             self._take(sent, server_side, fail)
             defer(self)
             return
         try:
-            result = hand_over(self, request, _channel_refused)
+            sent = offer(self, request, _channel_refused)
+            if isinstance(sent, Offer) and _channel_class is None:
+                _load_channel()  # while the daemon works on the request
+            result = answer(self, sent) if isinstance(sent, Offer) else sent
         except OSError as e:
             if fail:
                 raise

@@ -361,6 +361,48 @@ def test_one_thread_connects_then_accepts_on_smcd(nocfg: PrivateSmcd, debug: boo
     assert sorted(modes) == [("accept", "smcd", None)] * 3 + [("connect", "smcd", None)] * 3, modes
 
 
+FIRST_REQUEST = r"""
+import socket, sys
+import smc_handoff.messages as messages
+
+loaded_at_send = []  # was the channel code loaded when a request to smcd left?
+real_send = messages.send_message
+
+def spy(ctl, msg, fds=()):
+    loaded_at_send.append((type(msg).__name__, "smc_handoff.channel" in sys.modules))
+    return real_send(ctl, msg, fds)
+
+messages.send_message = spy
+lsock = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(lsock.getsockname())
+s, _ = lsock.accept()
+c.sendall(b"ping")
+assert s.recv(4) == b"ping"
+print(c.mode, s.mode, loaded_at_send, "smc_handoff.channel" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize("daemon", [True, False])
+def test_the_first_request_leaves_before_the_channel_code_loads(
+    nocfg: PrivateSmcd, daemon: bool
+) -> None:
+    """A process's first handoff imports the channel modules (milliseconds) after its request
+    left, while smcd negotiates: between ``connect()`` and the request they delayed every
+    program's first connection and could outlast a server half's wait for its client
+    (``timeouts.local_client_wait``) on a busy machine. Without a daemon they never load."""
+    env = _env(nocfg)
+    if not daemon:
+        env["SMCD_HANDOFF_SOCKET"] = os.fspath(nocfg.handoff_socket.parent / "none")
+    proc = subprocess.run(_smc_run(env, FIRST_REQUEST), capture_output=True, text=True, env=env,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    if daemon:  # the listener's LISTEN, the CONNECT (before the import), the ACCEPT (after)
+        sends = "[('Listen', False), ('Connect', False), ('Accept', True)]"
+        assert proc.stdout == f"smcd smcd {sends} True\n", proc.stderr
+    else:
+        assert proc.stdout == "tcp tcp [] False\n", proc.stderr
+
+
 FORKING_SERVER = r"""
 import select, socketserver, time
 
