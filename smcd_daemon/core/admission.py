@@ -27,7 +27,9 @@ Handoff connections, per user and in total
     otherwise. In total the daemon serves :data:`MAX_CONNECTIONS`; above half of it the
     connections are shared fairly (below).
 Handshakes in flight, per user and in total
-    ``limits.handshakes_per_user`` per user; ``limits.handshakes`` is the daemon's capacity.
+    ``limits.handshakes_per_user`` per user; ``limits.handshakes`` is the daemon's capacity. A
+    client half parked for its server half on this host is not one while it waits
+    (:meth:`Admission.park_handshake`).
 Fair share
     While a pool (connections or handshakes) is at or above its capacity, a user may add to it
     only while they hold less than ``capacity / users`` (users = those holding some, plus the
@@ -356,6 +358,22 @@ class Admission:
 
     def end_handshake(self, uid: int) -> None:
         self.hands.remove(uid)
+
+    def park_handshake(self, uid: int) -> None:
+        """An admitted client half parks until its server half (on this host) is handed to
+        the daemon: not counted meanwhile. Its CLC has not begun, and it waits for the server
+        application's ``accept()``, which the kernel's AF_SMC never waits for (its listener
+        runs CLC before the application accepts, bounded by the accept backlog): a program
+        that opens many connections before using them (a pool) would otherwise fill the
+        user's handshakes with waits and fall back past ``limits.handshakes_per_user``. A
+        parked half still counts as a handoff connection (``limits.connections_per_user``)."""
+        self.hands.remove(uid)
+
+    def unpark_handshake(self, uid: int) -> None:
+        """A parked client half goes on (paired, or not): counted again until
+        :meth:`end_handshake`, without a check. Its server half was admitted, so pairs under
+        way stay bounded by the server halves the limits let in (at most twice them)."""
+        self.hands.add(uid)
 
     def snapshot(self) -> dict[str, int]:
         """Counts for statistics."""

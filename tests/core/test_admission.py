@@ -95,6 +95,22 @@ def test_handshakes_in_flight_are_capped_per_user() -> None:
     assert adm.begin_handshake(ALICE, 0.0) is None
 
 
+def test_a_parked_client_half_is_not_a_handshake_in_flight() -> None:
+    """A client half waiting for its server application's accept() frees its place while it
+    waits, and takes it back, unchecked, when it goes on (its server half was admitted)."""
+    adm = Admission(Limits(handshakes_per_user=2, handshakes=100))
+    for _ in range(5):  # a pool of five connections, all waiting for their accept()
+        assert adm.begin_handshake(ALICE, 0.0) is None
+        adm.park_handshake(ALICE)
+    assert adm.inflight == 0
+    assert adm.begin_handshake(ALICE, 0.0) is None  # a server half: admitted
+    adm.unpark_handshake(ALICE)  # its client half goes on: over the cap, as admitted pairs may
+    assert adm.inflight == 2 and adm.begin_handshake(ALICE, 0.0) is not None
+    adm.end_handshake(ALICE)
+    adm.end_handshake(ALICE)
+    assert adm.inflight == 0
+
+
 def test_fair_share_of_the_handshake_capacity() -> None:
     """One user fills the capacity; a second user is admitted below its share, the first is
     refused with FAIR_SHARE until the pool drains; a third user still gets in."""

@@ -227,15 +227,22 @@ class Smcd:
     def handoff(self) -> Path:
         return self.work / "run" / "handoff.sock"
 
-    def write_config(self, extra: str = "") -> None:
+    def write_config(
+        self,
+        extra: str = "",
+        *,
+        proposal_wait: float = PROPOSAL_WAIT,
+        local_client_wait: float = LOCAL_CLIENT_WAIT,
+    ) -> None:
+        """``extra`` goes on in ``[timeouts]``."""
         self.config.write_text(
             f'runtime_dir = "{self.work}/run"\n'
             f'state_dir = "{self.work}/state"\n'
             'log_level = "info"\n'
             f'[dbus]\nbus = "{self.address}"\n'
             '[eid]\nueids = ["SMCD-E2E"]\n'
-            f"[timeouts]\nproposal_wait = {PROPOSAL_WAIT}\n"
-            f"local_client_wait = {LOCAL_CLIENT_WAIT}\n"
+            f"[timeouts]\nproposal_wait = {proposal_wait}\n"
+            f"local_client_wait = {local_client_wait}\n"
             f"{extra}"
         )
 

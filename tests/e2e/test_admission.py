@@ -5,10 +5,9 @@ the real smcd with small limits:
   excess is answered with FALLBACK MAX_DMB naming the limit and closed, the idle ones are closed
   after ``limits.first_request_wait``, root's connections go on over SMC meanwhile, and the
   daemon's descriptors come back to where they were;
-- a user at their cap of handshakes in flight (``limits.handshakes_per_user``) is answered with
-  FALLBACK before any CLC byte (its peer received nothing), while root's connections are SMC;
-- a same-host client half never proposes before the server half is in the daemon: when the
-  server application never hands its socket over, the client falls back with its stream clean;
+- a user at their cap of handshakes in flight (``limits.handshakes_per_user``: here server halves
+  waiting for a Proposal) is answered with FALLBACK before any CLC byte (its peer received
+  nothing), while root's connections are SMC;
 - invalid datagrams from another uid are logged at most 10 times a minute, with the count of
   the rest at shutdown, and never with a traceback.
 """
@@ -82,17 +81,16 @@ reg.connect(path)
 m.send_message(reg, m.Listen(), [lst.fileno()])
 ok, _ = m.recv_message(reg, requests=False)
 assert isinstance(ok, m.Ok), ok
-pairs = []
+halves = []
 for i in range(3):
-    tcp = socket.create_connection(lst.getsockname())
-    peer, _ = lst.accept()          # the server half is never handed to smcd
+    peer = socket.create_connection(lst.getsockname())  # a plain TCP client: never proposes
+    tcp, _ = lst.accept()
     ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ctl.connect(path)
-    m.send_message(ctl, m.Connect(0), [tcp.fileno()])
-    pairs.append((tcp, peer, ctl, time.monotonic()))
-    time.sleep(0.1)
+    m.send_message(ctl, m.Accept(0), [tcp.fileno()])  # a server half, waiting for a Proposal
+    halves.append((tcp, peer, ctl, time.monotonic()))
 out = []
-for tcp, peer, ctl, t0 in reversed(pairs):  # the third first: it must be answered at once
+for tcp, peer, ctl, t0 in reversed(halves):  # the third first: it must be answered at once
     ctl.settimeout(10)
     reply, fds = m.recv_message(ctl, requests=False)
     m.close_fds(fds)
@@ -106,6 +104,8 @@ for tcp, peer, ctl, t0 in reversed(pairs):  # the third first: it must be answer
                 "peer_got": got.hex()})
 print(json.dumps(out), flush=True)
 """
+PROPOSAL_WAIT = 2.0
+"""How long this module's server halves wait for a Proposal: the handshakes in flight."""
 
 
 def _open_for_others(smcd: Smcd) -> None:
@@ -138,7 +138,7 @@ def _line(proc: subprocess.Popen[str]) -> Any:
 def smcd(work: Path, e2e_bus: DbusDaemon) -> Iterator[Smcd]:
     notify = NotifySocket(work / "notify")
     daemon = Smcd(work, e2e_bus, notify)
-    daemon.write_config(LIMITS)
+    daemon.write_config(LIMITS, proposal_wait=PROPOSAL_WAIT, local_client_wait=PROPOSAL_WAIT)
     daemon.start()
     _open_for_others(daemon)
     try:
@@ -190,10 +190,9 @@ def test_a_user_at_its_handshake_cap_is_refused_before_any_clc_byte(smcd: Smcd, 
     assert third["type"] == "FALLBACK" and third["code"] == 0x030D0000, third
     assert third["after"] < 1.0, third  # answered at once, not after a handshake
     assert "holds 2 handshakes in flight; limits.handshakes_per_user allows 2" in third["text"]
-    for half in (first, second):
-        # the server half never came: the client half fell back without proposing
-        assert half["type"] == "FALLBACK", half
-        assert "server" in half["text"] and "hand" in half["text"], half
+    for half in (first, second):  # in flight until no Proposal came
+        assert half["type"] == "FALLBACK" and half["after"] >= PROPOSAL_WAIT, half
+        assert f"no CLC Proposal within {PROPOSAL_WAIT:g} s" in half["text"], half
     assert [h["peer_got"] for h in (first, second, third)] == ["", "", ""]
 
 

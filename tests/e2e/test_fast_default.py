@@ -403,6 +403,45 @@ def test_the_first_request_leaves_before_the_channel_code_loads(
         assert proc.stdout == "tcp tcp [] False\n", proc.stderr
 
 
+POOL = 150
+"""Connections a pool opens before using any: more than twice ``limits.handshakes_per_user``."""
+
+WARM_POOL_SERVER = r"""
+import socket
+lsock = socket.create_server(("127.0.0.1", 0), backlog=256)
+print("PORT", lsock.getsockname()[1], flush=True)
+conns = [lsock.accept()[0] for _ in range(@POOL@)]
+for c in conns:
+    c.sendall(c.recv(16).upper())
+for c in conns:
+    assert c.recv(16) == b""
+print("SERVED", len(conns), flush=True)
+""".replace("@POOL@", str(POOL))
+
+WARM_POOL_CLIENT = r"""
+import socket, sys
+pool = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(@POOL@)]
+for i, c in enumerate(pool):  # only now does the pool use them
+    c.sendall(b"conn %d" % i)
+    assert c.recv(16) == b"CONN %d" % i
+for c in pool:
+    c.close()
+print("POOL OK", flush=True)
+""".replace("@POOL@", str(POOL))
+
+
+def test_a_pool_opened_before_use_gets_smcd_on_every_connection(nocfg: PrivateSmcd) -> None:
+    """A client half waits for its server application's ``accept()`` before CLC begins (the
+    kernel's listener runs CLC before the accept); parked so, it is not a handshake in flight.
+    A pool that opened its connections before using any counted every wait against
+    ``limits.handshakes_per_user`` (64), and all past it fell back to TCP."""
+    client, sout, serr = _talk(nocfg, WARM_POOL_SERVER, WARM_POOL_CLIENT)
+    assert client.returncode == 0 and client.stdout == "POOL OK\n", client.stderr[-3000:]
+    assert sout == f"SERVED {POOL}\n", serr[-3000:]
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * POOL, client.stderr[-3000:]
+    assert _modes(serr) == [("accept", "smcd", None)] * POOL, serr[-3000:]
+
+
 FORKING_SERVER = r"""
 import select, socketserver, time
 

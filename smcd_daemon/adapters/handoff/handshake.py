@@ -490,7 +490,11 @@ class Handshakes:
                 log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
                 return await self._run_smcr(client, hint, tcp, service, server=False)
         if ours:  # a same-host pair: propose only once the server half is here
-            not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
+            srv.admission.park_handshake(client.uid)  # waiting for an accept() is no CLC work
+            try:
+                not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
+            finally:
+                srv.admission.unpark_handshake(client.uid)
             if not_yet is not None:
                 return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
             tcp.paired = True  # its server half answers on the loop turn we write on
