@@ -286,8 +286,39 @@ def _load_channel() -> type[_Channel]:
     from smc_handoff.channel_base import run_before_fork
 
     run_before_fork(_settle_all)
+    raise_nofile_limit()
     _channel_class = Channel
     return Channel
+
+
+CHANNEL_FDS = 7
+"""Descriptors an SMC connection holds in its process, where TCP holds one: the TCP socket, the
+control connection, two eventfds, the peer link and the two DMB mappings' (CPython's ``mmap``
+keeps a duplicate of the descriptor it maps)."""
+
+
+def raise_nofile_limit() -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit, once a process hands a connection
+    to smcd (as Go's runtime does for every program at start-up).
+
+    Why: an SMC connection holds :data:`CHANNEL_FDS` descriptors, so a program that served 1,000
+    TCP connections under the usual soft limit of 1,024 (systemd's default for services and
+    sessions, whose hard limit is 524,288) ran out at ~145 SMC connections: ``accept()`` failed
+    with EMFILE, and a reply's descriptors that did not fit reset a connection whose CLC was
+    over. Children inherit the raised limit, as from a shell's ``ulimit -n``."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else _NR_OPEN
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError):  # a limit we may not raise: the program keeps its own
+        pass
+
+
+_NR_OPEN = 1 << 20
+"""The kernel's default ``fs.nr_open``: the most a process may raise its limit to."""
 
 
 @dataclass
@@ -375,9 +406,26 @@ class SmcSocket(_BaseSocket):
         return smc.conn_id if smc is not None else None
 
     def __repr__(self) -> str:
-        base = super().__repr__()
-        mode = "pending" if self._pending is not None else self.mode  # repr never waits
-        return f"{base[:-1]}, mode={mode}>" if base.endswith(">") else base
+        """A socket's repr with its mode, without waiting or side effects: the base repr asks
+        ``fileno()``, which settles a deferred handoff and puts a channel in level mode (and
+        starts the link watcher thread), so here the descriptor is named without it. A repr
+        runs in log lines, and in the finalizer's ``ResourceWarning`` of a dropped socket."""
+        smc, pending = self._smc, self._pending
+        if smc is None and pending is None:
+            return f"{super().__repr__()[:-1]}, mode={self.mode}>"
+        fd = _BaseSocket.fileno(self)  # pending: the TCP socket's, until the answer
+        if smc is not None:
+            with contextlib.suppress(OSError):
+                fd = smc.channel.event_fd()  # what fileno() returns
+        text = (
+            f"<{type(self).__module__}.{type(self).__qualname__} fd={fd}, family={self.family!s}, "
+            f"type={self.type!s}, proto={self.proto}"
+        )
+        for name, call in (("laddr", self.getsockname), ("raddr", self.getpeername)):
+            with contextlib.suppress(OSError):
+                text += f", {name}={call()}"
+        mode = "pending" if pending is not None else _MODE_NAMES[smc.info.mode] if smc else "tcp"
+        return f"{text}, mode={mode}>"
 
     def fileno(self) -> int:
         smc = self._smc
@@ -467,6 +515,31 @@ class SmcSocket(_BaseSocket):
                 _unsettled.discard(self)
         pending.done(self)
         return self._smc
+
+    def _drop_unanswered(self, pending: _Pending) -> bool:
+        """On ``close()``: give up a deferred handoff smcd has not answered yet, without
+        waiting (True; False: the answer is there, settle it). A TCP ``close()`` never waits,
+        and this one would have waited for the server application's ``accept()`` (a client
+        that connects to check a port and closes waited seconds, up to ``timeouts.clc_wait``).
+        The hang-up tells smcd: a client half that wrote no CLC byte yet falls back, so the
+        server application reads TCP's EOF; one whose CLC was under way is reset."""
+        with pending.lock:
+            if self._pending is not pending:  # another thread settled it meanwhile
+                return False
+            ctl = pending.sent.ctl
+            timeout = ctl.gettimeout()
+            ctl.settimeout(0.0)  # (a timed socket's recv waits first, MSG_DONTWAIT or not)
+            try:
+                _BaseSocket.recv(ctl, 1, _socket.MSG_PEEK)
+            except BlockingIOError:
+                ctl.close()
+                self._pending = None
+                _unsettled.discard(self)
+                return True
+            except OSError:
+                pass
+            ctl.settimeout(timeout)
+            return False
 
     def _take(self, result: Handed | Fallback, server_side: bool, fail: bool) -> None:
         """Act on the outcome of a handoff: TCP with its reason, or the channel."""
@@ -933,8 +1006,9 @@ class SmcSocket(_BaseSocket):
         return None
 
     def _real_close(self, _ss: Any = _csocket.socket) -> None:
-        if self._pending is not None:  # the channel, if any, is closed as any other
-            with contextlib.suppress(OSError):
+        pending = self._pending
+        if pending is not None and not self._drop_unanswered(pending):
+            with contextlib.suppress(OSError):  # answered: its channel is closed as any other
                 self._settle()
         smc, self._smc = self._smc, None
         self._gone = True
@@ -969,9 +1043,10 @@ class SmcSocket(_BaseSocket):
         self.close()
 
     def __del__(self) -> None:
-        """Dropped without close(): close the channel as close() would, then the TCP socket."""
-        smc = getattr(self, "_smc", None)
-        if smc is not None:
+        """Dropped without close(): close the channel as close() would, then the TCP socket (a
+        deferred handoff is given up unanswered or settled without waiting, as ``close()``
+        does; a finalizer must not wait)."""
+        if getattr(self, "_smc", None) is not None or getattr(self, "_pending", None) is not None:
             with contextlib.suppress(Exception):
                 self._real_close()
         super().__del__()  # type: ignore[misc]

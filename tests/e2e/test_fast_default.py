@@ -430,16 +430,97 @@ print("POOL OK", flush=True)
 """.replace("@POOL@", str(POOL))
 
 
-def test_a_pool_opened_before_use_gets_smcd_on_every_connection(nocfg: PrivateSmcd) -> None:
+@pytest.mark.parametrize("soft_limit", [0, 1024], ids=["own-limits", "nofile-1024"])
+def test_a_pool_opened_before_use_gets_smcd_on_every_connection(
+    nocfg: PrivateSmcd, soft_limit: int
+) -> None:
     """A client half waits for its server application's ``accept()`` before CLC begins (the
     kernel's listener runs CLC before the accept); parked so, it is not a handshake in flight.
     A pool that opened its connections before using any counted every wait against
-    ``limits.handshakes_per_user`` (64), and all past it fell back to TCP."""
-    client, sout, serr = _talk(nocfg, WARM_POOL_SERVER, WARM_POOL_CLIENT)
+    ``limits.handshakes_per_user`` (64), and all past it fell back to TCP.
+
+    Under the usual soft descriptor limit of 1,024 (systemd's for services and sessions) both
+    programs ran out of descriptors at ~145 connections (an SMC connection holds seven), where
+    TCP serves 1,000: a process that hands a connection off raises its soft limit to the hard
+    one, as Go programs do."""
+    prefix = ("prlimit", f"--nofile={soft_limit}:", "--") if soft_limit else ()
+    server = [*prefix, *_smc_run(_env(nocfg), WARM_POOL_SERVER)]
+    client, _, sout, serr = _serve_then_run(nocfg, server, WARM_POOL_CLIENT, prefix=prefix)
     assert client.returncode == 0 and client.stdout == "POOL OK\n", client.stderr[-3000:]
     assert sout == f"SERVED {POOL}\n", serr[-3000:]
     assert _modes(client.stderr) == [("connect", "smcd", None)] * POOL, client.stderr[-3000:]
     assert _modes(serr) == [("accept", "smcd", None)] * POOL, serr[-3000:]
+
+
+LATE_ACCEPT_SERVER = r"""
+import socket, time
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+time.sleep(4)  # the clients have connected and closed (or dropped) their sockets by now
+for _ in range(2):
+    c, _ = lsock.accept()
+    c.settimeout(10)
+    print("EOF" if c.recv(16) == b"" else "DATA", flush=True)
+"""
+
+QUICK_CLOSE_CLIENT = r"""
+import gc, socket, sys, threading, time
+addr = ("127.0.0.1", int(sys.argv[1]))
+c = socket.create_connection(addr)  # its handoff waits for an accept() 4 s away
+text = repr(c)
+assert "mode=pending" in text and c._pending is not None, text  # repr settles nothing
+t0 = time.monotonic()
+c.close()  # as on TCP: at once
+print("close", "quick" if time.monotonic() - t0 < 2 else "waited", flush=True)
+d = socket.create_connection(addr)
+t0 = time.monotonic()
+del d  # dropped without close(): its finalizer does not wait either
+gc.collect()
+print("drop", "quick" if time.monotonic() - t0 < 2 else "waited", flush=True)
+a, b = socket.socketpair()  # (no TCP: never handed off)
+print("threads", sorted(t.name for t in threading.enumerate()), flush=True)
+"""
+
+
+def test_closing_a_socket_whose_handoff_is_unanswered_does_not_wait(nocfg: PrivateSmcd) -> None:
+    """smc-run's ``connect()`` returns once its request is with smcd; the answer waits for the
+    server application's ``accept()``. ``close()`` (and a dropped socket's finalizer) waited for
+    it too, seconds where TCP's ``close()`` never waits, and the finalizer's repr settled the
+    handoff and started a thread. Now both give the handoff up at once, and the server reads
+    EOF as from TCP."""
+    client, _, sout, serr = _serve_then_run(
+        nocfg, _smc_run(_env(nocfg), LATE_ACCEPT_SERVER), QUICK_CLOSE_CLIENT
+    )
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == "close quick\ndrop quick\nthreads ['MainThread']\n", client.stderr
+    assert sout == "EOF\nEOF\n", serr[-3000:]
+
+
+REPR_PROGRAM = r"""
+import socket, threading
+lsock = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(lsock.getsockname())
+s, _ = lsock.accept()
+c.sendall(b"x")
+assert s.recv(1) == b"x"
+for sock in (c, s):
+    text = repr(sock)
+    assert "mode=smcd" in text and f"fd={sock.channel.event_fd()}," in text, text
+    assert "raddr=('127.0.0.1', " in text and "family=%s," % socket.AF_INET in text, text
+print(sorted(t.name for t in threading.enumerate()), flush=True)
+c.fileno()  # a program that polls: the link watcher starts
+print(sorted(t.name for t in threading.enumerate()), flush=True)
+"""
+
+
+def test_the_repr_of_an_smc_socket_changes_nothing(nocfg: PrivateSmcd) -> None:
+    """``repr()`` named the descriptor through ``fileno()``, which puts the channel in level mode
+    (the slower path a poller needs) and starts the link watcher thread: a socket in a log
+    line slowed down for good."""
+    proc = subprocess.run(_smc_run(_env(nocfg), REPR_PROGRAM), capture_output=True, text=True,
+                          env=_env(nocfg), timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "['MainThread']\n['MainThread', 'smc-channel-links']\n", proc.stderr
 
 
 FORKING_SERVER = r"""
@@ -484,10 +565,12 @@ def _serve_then_run(
     client_code: str,
     *client_args: object,
     forever: bool = False,
+    prefix: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str, str]:
     """Start ``server`` (a program under smc-run that prints "PORT n"), run ``client_code`` under
     smc-run against it: the client's result, the server process and its stdout and stderr once
-    it ended (``forever``: it serves until stopped, so it is stopped). The server runs in a
+    it ended (``forever``: it serves until stopped, so it is stopped; ``prefix``: a command
+    the client runs under, as ``prlimit``). The server runs in a
     session of its own, killed at the end with whatever is left in it (a failed test's pool
     workers or forked children; relays leave it by themselves)."""
     env = _env(daemon)
@@ -496,7 +579,7 @@ def _serve_then_run(
     try:
         assert proc.stdout is not None
         port = proc.stdout.readline().split()[1]
-        client = subprocess.run(_smc_run(env, client_code, port, *client_args),
+        client = subprocess.run([*prefix, *_smc_run(env, client_code, port, *client_args)],
                                 capture_output=True, text=True, env=env, timeout=90)  # fmt: skip
         if forever:
             proc.terminate()
