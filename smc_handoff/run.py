@@ -4,8 +4,9 @@ smc-tools' ``smc_run`` preloads a library that turns the program's AF_INET socke
 ones. ``smc-run`` does the same for Python programs: it puts a bootstrap ``sitecustomize`` on
 ``PYTHONPATH`` and execs the program; the bootstrap replaces ``socket.socket`` by
 :class:`AutoSocket`, a :class:`~smc_handoff.socket.SmcSocket` that offers itself to smcd after a
-blocking ``connect()`` (client half) and registers ``listen()``-ing sockets so that ``accept()``
-hands each connection off (server half). Everything the stdlib builds on ``socket.socket``
+blocking ``connect()`` (client half) and registers ``listen()``-ing sockets (or, inherited by
+descriptor, at their first ``accept()``) so that ``accept()`` hands each connection off (server
+half). Everything the stdlib builds on ``socket.socket``
 follows: ``socket.create_connection`` (``http.client``, ``urllib``, ``smtplib``...),
 ``socketserver`` (``http.server``, ``xmlrpc.server``...), and direct ``socket()`` users. The
 upgraded object is still a ``socket.socket`` (``makefile``, ``sendall``, timeouts, ``select``,
@@ -161,6 +162,7 @@ class AutoSocket(SmcSocket):
         super().__init__(*args, **kwargs)
         self._registration = None
         self._loop_accepts = False  # an event loop accepts: it hands connections off itself
+        self._late_listener = True  # see accept(): cleared once registering was decided
 
     def _upgrade_client(self, address: Any) -> None:
         """Offer the connection to smcd; its reply is read when the socket is first used
@@ -184,6 +186,7 @@ class AutoSocket(SmcSocket):
         """An event loop serves this listener: register it (once, unless TLS: then never) and
         leave the handoff of accepted connections to the loop (see :func:`take_deferred`)."""
         if tls or not (self._upgrade and _eligible(self)):
+            self._late_listener = False
             if self._registration is not None:
                 self._registration.close()
                 self._registration = None
@@ -228,6 +231,7 @@ class AutoSocket(SmcSocket):
 
     def listen(self, *backlog: int) -> None:
         super().listen(*backlog)
+        self._late_listener = False
         if (
             self._upgrade
             and _eligible(self)
@@ -236,7 +240,26 @@ class AutoSocket(SmcSocket):
         ):
             self._register()
 
+    def _register_late(self) -> None:
+        """The first ``accept()`` on a listening socket this object never called ``listen()``
+        on registers it: a listener inherited by descriptor (systemd's socket activation,
+        ``socket.fromfd`` in a worker, a socket a parent passed on). Without it the worker's
+        connections stayed on TCP, and where another process had registered the same listener
+        (the parent that called ``listen()``) each client waited ``timeouts.clc_wait`` for a
+        server half that never came, then fell back."""
+        self._late_listener = False
+        if not (self._upgrade and _eligible(self) and self.gettimeout() != 0):
+            return
+        try:
+            if not self.getsockopt(_socket.SOL_SOCKET, _socket.SO_ACCEPTCONN):
+                return  # (accept() then fails as it fails)
+        except OSError:
+            return
+        self._register()
+
     def accept(self) -> tuple[_socket.socket, Any]:
+        if self._late_listener and self._registration is None:
+            self._register_late()
         fd, addr = self._accept()  # type: ignore[attr-defined]
         conn = SmcSocket(_family_of(self), _type_of(self), self.proto, fileno=fd)
         if _socket.getdefaulttimeout() is None and self.gettimeout():
@@ -265,6 +288,7 @@ class AutoSocket(SmcSocket):
 
     def detach(self) -> int:
         """Whoever takes the descriptor (``ssl``) will not hand connections off: unregister."""
+        self._late_listener = False
         if self._registration is not None:
             self._registration.close()
             self._registration = None

@@ -523,6 +523,55 @@ def test_the_repr_of_an_smc_socket_changes_nothing(nocfg: PrivateSmcd) -> None:
     assert proc.stdout == "['MainThread']\n['MainThread', 'smc-channel-links']\n", proc.stderr
 
 
+INHERITED_LISTENER_SERVER = r"""
+import _socket, os, socket, sys
+if sys.argv[1] == "activated":  # as systemd passes it: listen() was called elsewhere
+    raw = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+    raw.bind(("127.0.0.1", 0))
+    raw.listen(8)
+    lsock = socket.socket(fileno=raw.detach())
+    lsock.settimeout(0.05)
+    try:
+        lsock.accept()  # a first accept() that finds nobody (registers it now)
+    except TimeoutError:
+        pass
+    lsock.settimeout(None)
+else:  # a copy of a registered listener (socket.fromfd, as a worker gets it)
+    parent = socket.create_server(("127.0.0.1", 0))
+    lsock = socket.socket(fileno=os.dup(parent.fileno()))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    c, _ = lsock.accept()
+    c.sendall(c.recv(16).upper())
+    c.close()
+"""
+
+INHERITED_LISTENER_CLIENT = r"""
+import socket, sys, time
+for _ in range(2):
+    c = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    c.sendall(b"hello")
+    assert c.recv(16) == b"HELLO"
+    c.close()
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["activated", "fromfd"])
+def test_a_listener_inherited_by_descriptor_serves_over_smcd(nocfg: PrivateSmcd, how: str) -> None:
+    """A listening socket this process never called ``listen()`` on (systemd's socket
+    activation; ``socket.fromfd`` in a worker) is registered at its first ``accept()``. Before,
+    its connections stayed on TCP, and each client of a copy of a listener another object had
+    registered waited ``timeouts.clc_wait`` (6 s) for a server half that never came."""
+    server = _smc_run(_env(nocfg), INHERITED_LISTENER_SERVER)
+    server.append(how)
+    client, _, sout, serr = _serve_then_run(nocfg, server, INHERITED_LISTENER_CLIENT)
+    assert client.returncode == 0 and client.stdout == "OK\n", client.stderr[-3000:]
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 2, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 2, serr
+    assert sout == "", serr
+
+
 FORKING_SERVER = r"""
 import select, socketserver, time
 
