@@ -133,7 +133,9 @@ class SmcStreamServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, conn: _socket.socket) -> None:
-        sock = await run_handoff(accepted, conn, self.server.registration, self.server.dmb_size)
+        sock = await run_handoff(
+            accepted, conn, self.server.registration, self.server.dmb_size, server=True
+        )
         try:
             reader, writer = await _streams(sock, self._limit)
         except BaseException:

@@ -178,7 +178,7 @@ def install() -> None:
         if reg is not None and sslcontext is None:
             peer = extra.get("peername") if extra else None
             try:
-                conn = await run_handoff(accepted, conn, reg, loop_dmb_size())
+                conn = await run_handoff(accepted, conn, reg, loop_dmb_size(), server=True)
             except OSError as e:  # the connection was reset (see smc_handoff.handoff)
                 conn.close()
                 log.debug("accept %s: %s", peer, e)
@@ -208,7 +208,7 @@ def install() -> None:
         conn, address = await sock_accept(self, sock)
         reg = run.take_deferred(conn)
         if reg is not None:
-            conn = await run_handoff(accepted, conn, reg, loop_dmb_size())
+            conn = await run_handoff(accepted, conn, reg, loop_dmb_size(), server=True)
             run.report("accept", conn, address)
         return conn, address
 

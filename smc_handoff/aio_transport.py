@@ -65,9 +65,14 @@ __all__ = [
 ]
 
 HANDOFF_THREADS = 32
-"""Handoffs in progress at once per process (each waits for the daemon's CLC exchange; a
-process that is both ends, a proxy or a test, has a client half waiting for its own server
-half, so the pool must hold both). Threads are started as handoffs need them."""
+"""Handoffs in progress at once per process and side (each waits for the daemon's CLC
+exchange). Client and server halves have pools of their own: in a process that is both ends
+(a proxy, a test, a service that calls itself) a client half waits for its server half and a
+server half for its client's Proposal, so in one pool a burst of connections (100
+``open_connection`` to a ``start_server`` of the same loop) filled every thread with halves
+waiting for halves queued behind them, until the server halves gave up
+(``timeouts.local_client_wait``) and most fell back. Threads are started as handoffs need
+them."""
 
 _MAX_SIZE = 64 * 1024
 """Bytes per read (asyncio's socket transport reads 256 KiB). Each read frees its part of the
@@ -93,27 +98,32 @@ def loop_dmb_size() -> int:
 
 
 _T = TypeVar("_T")
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
 _pool_pid = 0
 _pool_lock = threading.Lock()
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool, _pool_pid
+def _executor(server: bool) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child has no threads
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                HANDOFF_THREADS, thread_name_prefix="smc-handoff"
-            )
+        if _pool_pid != os.getpid():  # a forked child has no threads
+            _pools.clear()
             _pool_pid = os.getpid()
-        return _pool
+        pool = _pools.get(server)
+        if pool is None:
+            name = "smc-handoff-server" if server else "smc-handoff"
+            pool = _pools[server] = concurrent.futures.ThreadPoolExecutor(
+                HANDOFF_THREADS, thread_name_prefix=name
+            )
+        return pool
 
 
-async def run_handoff(fn: Callable[..., _T], *args: Any) -> _T:
-    """``fn(*args)`` (a blocking handoff returning a socket) in the handoff threads. When the
-    caller is cancelled meanwhile, the socket it would have returned is closed."""
+async def run_handoff(fn: Callable[..., _T], *args: Any, server: bool = False) -> _T:
+    """``fn(*args)`` (a blocking handoff returning a socket) in the handoff threads of its
+    side (``server``: an accepted connection's). When the caller is cancelled meanwhile, the
+    socket it would have returned is closed."""
     loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(_executor(), fn, *args)
+    fut = loop.run_in_executor(_executor(server), fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -104,13 +104,19 @@ _verbose = False
 _deferred: weakref.WeakKeyDictionary[SmcSocket, Registration] = weakref.WeakKeyDictionary()
 
 
+def _say(text: str) -> None:
+    """One ``-v`` line, written whole (``print`` writes the newline apart, so lines of the
+    handoff threads ran into each other)."""
+    sys.stderr.write(f"smc-run[{os.getpid()}]: {text}\n")
+
+
 def report(op: str, sock: SmcSocket, peer: Any) -> None:
     """``smc-run -v``: one line per connection, its mode and, on TCP, why."""
     if not _verbose:
         return
     reason = f" ({sock.fallback})" if sock.fallback is not None else ""
     conn = f" conn {sock.conn_id}" if sock.conn_id is not None else ""
-    print(f"smc-run[{os.getpid()}]: {op} {peer}: {sock.mode}{conn}{reason}", file=sys.stderr)
+    _say(f"{op} {peer}: {sock.mode}{conn}{reason}")
 
 
 def _unreported(sock: SmcSocket) -> None:
@@ -127,7 +133,7 @@ def _reporter(peer: Any) -> Callable[[SmcSocket], None]:
 def report_tcp(op: str, peer: Any, reason: str) -> None:
     """``smc-run -v`` for a connection the upgrade cannot reach (e.g. uvloop's)."""
     if _verbose:
-        print(f"smc-run[{os.getpid()}]: {op} {peer}: tcp ({reason})", file=sys.stderr)
+        _say(f"{op} {peer}: tcp ({reason})")
 
 
 def take_deferred(conn: Any) -> Registration | None:
@@ -204,7 +210,7 @@ class AutoSocket(SmcSocket):
                 if reg.listener_id is not None
                 else f"tcp ({reg.fallback})"
             )
-            print(f"smc-run[{os.getpid()}]: listen {self.getsockname()}: {state}", file=sys.stderr)
+            _say(f"listen {self.getsockname()}: {state}")
 
     def mark_for_handoff(self) -> None:
         """Ask for SMC's TCP option on the SYN of a socket an event loop connects without

@@ -228,6 +228,50 @@ def test_loop_sock_methods_on_smcd(programs: Programs) -> None:
     assert re.search(rf"connect .*{port}.*: smcd conn \d+", client_err), client_err
 
 
+BURST = 100
+"""Connections one loop opens at once to its own server: past the handoff threads (32)."""
+
+SELF_BURST = r"""
+import asyncio, sys
+
+async def main(n):
+    async def echo(reader, writer):
+        writer.write((await reader.readexactly(5)).upper())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0, backlog=1024)
+    port = server.sockets[0].getsockname()[1]
+
+    async def one(i):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hi%03d" % i)
+        assert await reader.readexactly(5) == b"HI%03d" % i
+        writer.close()
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    print("burst ok", flush=True)
+
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+def test_a_burst_of_connections_to_a_server_of_the_same_loop_is_on_smcd(
+    programs: Programs,
+) -> None:
+    """A client half's handoff waits for its server half, a server half's for its client's
+    Proposal. In one pool of handoff threads, a burst of connections past its size to a
+    server of the same process filled every thread with halves waiting for halves queued
+    behind them, until the server halves gave up (``timeouts.local_client_wait``): of 100
+    connections, most fell back to TCP. Each side now has its own threads."""
+    proc = programs.start([os.fspath(PYTHON), "-c", SELF_BURST, str(BURST)])
+    assert proc.wait(60) == 0
+    (err,) = programs.stop()
+    ends = re.findall(r"smc-run\[\d+\]: (connect|accept) .*?: (\w+)", err)
+    assert len(ends) == 2 * BURST, err[-3000:]
+    assert {mode for _, mode in ends} == {"smcd"}, err[-3000:]
+
+
 def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
     """asyncio's ssl= (server and client) is never handed off: its listener is not registered
     and its connections stay on TCP, while a plain server in the same program is upgraded."""
