@@ -494,6 +494,11 @@ def test_closing_a_socket_whose_handoff_is_unanswered_does_not_wait(nocfg: Priva
     assert client.returncode == 0, client.stderr[-3000:]
     assert client.stdout == "close quick\ndrop quick\nthreads ['MainThread']\n", client.stderr
     assert sout == "EOF\nEOF\n", serr[-3000:]
+    # smcd saw the hang-ups: no SMC connection set up for nobody, the server on TCP at once
+    gone = "the application closed the connection before its server half came"
+    assert [m[1] for m in _modes(serr)] == ["tcp", "tcp"], serr
+    assert all("the client closed the connection" in (m[2] or "") for m in _modes(serr)), serr
+    assert gone in nocfg.log(), nocfg.log()[-3000:]
 
 
 REPR_PROGRAM = r"""

@@ -140,3 +140,24 @@ def test_a_client_half_reading_the_fall_back_ends_its_refused_server_halfs_wait(
         lonely.cancel()  # as decline_proposal does when its look ends first
 
     asyncio.run(run())
+
+
+def test_a_client_half_that_will_not_propose_after_all_unmarks_the_pair() -> None:
+    """Paired, then its application hung up: the server half must not wait for its Proposal
+    (``timeouts.clc_wait``), only for the silence of a local client."""
+
+    async def run() -> None:
+        arr = Arrivals()
+        waiting = asyncio.create_task(arr.wait_server(KEY, 5.0))
+        await asyncio.sleep(0)
+        arr.server_in(KEY)
+        assert await waiting is None and arr.proposed(KEY)
+        arr.unpropose(KEY)
+        assert not arr.proposed(KEY)
+        arr.unpropose(KEY)  # (nothing to undo: no change)
+        assert not arr.proposed(KEY)
+        arr.server_gone(KEY, fell_back=True, why="no Proposal")
+        arr.unpropose(KEY)  # a fallen-back pair stays fallen back for a late client half
+        assert await arr.wait_server(KEY, 1.0) is not None
+
+    asyncio.run(run())

@@ -112,6 +112,13 @@ class Arrivals:
         entry = self._entries.get(key)
         return entry is not None and entry.state is ServerHalf.PROPOSED
 
+    def unpropose(self, key: PairKey) -> None:
+        """The client half that marked the pair proposed will not propose after all (its
+        application hung up meanwhile): its server half waits for no Proposal from it."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is ServerHalf.PROPOSED:
+            entry.state = ServerHalf.WAITING
+
     def server_gone(self, key: PairKey, *, fell_back: bool, why: str = "") -> bool:
         """The server half's handshake ended: handed back without CLC (``fell_back``) or
         otherwise. Kept :data:`KEEP` seconds for a late client half. True when a client half

@@ -145,6 +145,17 @@ def pair_key(sock: socket.socket, local: Any, peer: Any, *, client: bool) -> Pai
     return ends if client else (ends[1], ends[0])
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Has the application hung up its handoff connection? (It sends nothing after its
+    request: whatever is readable now is the hang-up.)"""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 class Handshakes:
     """CONNECT and ACCEPT, each to its reply (see the module docstring)."""
 
@@ -497,6 +508,13 @@ class Handshakes:
                 srv.admission.unpark_handshake(client.uid)
             if not_yet is not None:
                 return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
+            if _hung_up(client.sock):
+                # Its application closed the connection while it waited (a port check, or a
+                # close() that gave the handoff up): no CLC for nobody, and with the last copy
+                # of the TCP socket closed the server half reads TCP's EOF at once.
+                self.arrivals.unpropose(key)
+                detail = "the application closed the connection before its server half came"
+                return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
             tcp.paired = True  # its server half answers on the loop turn we write on
         session = srv.loopback.session(
             client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
