@@ -87,6 +87,7 @@ __all__ = [
     "exchange",
     "hand_over",
     "offer",
+    "raise_nofile_limit",
     "reset",
     "unexpected",
 ]
@@ -382,6 +383,33 @@ def reset(sock: _socket.socket) -> None:
         pass
     with contextlib.suppress(OSError):  # no libc to call: at least no one writes after this
         _BaseSocket.shutdown(sock, _socket.SHUT_RDWR)
+
+
+_NR_OPEN = 1 << 20
+"""The kernel's default ``fs.nr_open``: the most a process may raise its limit to."""
+
+
+def raise_nofile_limit() -> str | None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; why not, when it could not be.
+
+    Why: an SMC connection holds seven descriptors in its process where TCP holds one (the TCP
+    socket, the control connection, two eventfds, the peer link and CPython's duplicates of the
+    two mapped DMBs), and smcd holds two DMB memfds and a handoff connection per half. Under
+    the usual soft limit of 1,024 (systemd's for services and sessions; their hard limit is
+    524,288) a program ran out at ~145 SMC connections: ``accept()`` failed with EMFILE, and a
+    reply's descriptors that did not fit reset a connection whose CLC was over. So a process
+    raises it the first time it hands a connection off (:mod:`smc_handoff.socket`), as Go's
+    runtime does for every program, and smcd at start-up; children inherit it."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else _NR_OPEN
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError) as e:
+        return f"cannot raise the descriptor limit to the hard limit: {e}"
+    return None
 
 
 def daemon_exited(pid: int, wait: float = _EXIT_WAIT) -> bool:

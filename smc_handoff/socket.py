@@ -76,6 +76,7 @@ from smc_handoff.handoff import (
     answer_late_proposal,
     clc_at_head,
     offer,
+    raise_nofile_limit,
     reset,
 )
 from smc_handoff.messages import Fallback
@@ -286,39 +287,9 @@ def _load_channel() -> type[_Channel]:
     from smc_handoff.channel_base import run_before_fork
 
     run_before_fork(_settle_all)
-    raise_nofile_limit()
+    raise_nofile_limit()  # a process with SMC connections needs many descriptors
     _channel_class = Channel
     return Channel
-
-
-CHANNEL_FDS = 7
-"""Descriptors an SMC connection holds in its process, where TCP holds one: the TCP socket, the
-control connection, two eventfds, the peer link and the two DMB mappings' (CPython's ``mmap``
-keeps a duplicate of the descriptor it maps)."""
-
-
-def raise_nofile_limit() -> None:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit, once a process hands a connection
-    to smcd (as Go's runtime does for every program at start-up).
-
-    Why: an SMC connection holds :data:`CHANNEL_FDS` descriptors, so a program that served 1,000
-    TCP connections under the usual soft limit of 1,024 (systemd's default for services and
-    sessions, whose hard limit is 524,288) ran out at ~145 SMC connections: ``accept()`` failed
-    with EMFILE, and a reply's descriptors that did not fit reset a connection whose CLC was
-    over. Children inherit the raised limit, as from a shell's ``ulimit -n``."""
-    import resource
-
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else _NR_OPEN
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (OSError, ValueError):  # a limit we may not raise: the program keeps its own
-        pass
-
-
-_NR_OPEN = 1 << 20
-"""The kernel's default ``fs.nr_open``: the most a process may raise its limit to."""
 
 
 @dataclass

@@ -29,7 +29,6 @@ import contextlib
 import gc
 import logging
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from smc_handoff.handoff import raise_nofile_limit
 from smcd_daemon import __version__
 from smcd_daemon.adapters import private_bus, systemd
 from smcd_daemon.adapters.bpf.peers import PeerDetection
@@ -339,19 +339,6 @@ def _capabilities(cfg: Config) -> tuple[str, ...]:
     return tuple(caps)
 
 
-def _raise_fd_limit() -> None:
-    """Each SMC connection holds a handoff connection per half and two DMB memfds: lift the soft
-    descriptor limit to the hard one (systemd's default soft limit is 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (OSError, ValueError) as e:
-            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, e)
-
-
 class Daemon:
     """One running smcd. :meth:`run` returns the exit status."""
 
@@ -461,7 +448,9 @@ class Daemon:
             if extra is not listener:
                 log.warning("ignoring inherited socket %s: not the handoff socket", extra)
                 extra.close()
-        _raise_fd_limit()
+        why = raise_nofile_limit()  # per SMC connection: a handoff connection per half, DMBs
+        if why is not None:
+            log.warning("%s", why)
         # Peer detection (the BPF TCP option), before the handoff socket serves anyone.
         self.detection = PeerDetection.start(cfg.peer_detection)
         if self.detection.available:
