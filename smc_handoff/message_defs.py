@@ -20,6 +20,7 @@ from smc_handoff import layout
 
 __all__ = [
     "FALLBACK_CHANNEL_UNSUPPORTED",
+    "FALLBACK_CLOSED_UNANSWERED",
     "FALLBACK_DAEMON_BUSY",
     "FALLBACK_DAEMON_ERROR",
     "FALLBACK_DAEMON_UNAVAILABLE",
@@ -89,6 +90,10 @@ data moved over the channel, which was then closed."""
 FALLBACK_DAEMON_BUSY = 0xFF000005
 """Local fallback code: the daemon was too busy to start a handshake (at its handshake capacity,
 past this user's fair share, or its event loop running late) and said so before any CLC byte."""
+FALLBACK_CLOSED_UNANSWERED = 0xFF000006
+"""Local fallback code: the application closed a connecting socket before smcd answered its
+handoff (smc-run's ``connect()`` returns first), so the library gave the handoff up; never in a
+reply, only in ``.fallback`` and ``smc-run -v``."""
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_]{1,64}")
 

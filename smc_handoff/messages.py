@@ -154,7 +154,8 @@ Rules for both ends
   application never breaks because smcd is absent or broken. On a CPU that cannot run the
   channel the library does not even ask (:data:`FALLBACK_CHANNEL_UNSUPPORTED`, 0xFF000003); a
   socket the application detaches before any data moved (``ssl`` does) continues on TCP
-  (:data:`FALLBACK_DETACHED`, 0xFF000004).
+  (:data:`FALLBACK_DETACHED`, 0xFF000004); one the application closes before the daemon
+  answered its handoff is given up (:data:`FALLBACK_CLOSED_UNANSWERED`, 0xFF000006).
 - A CHANNEL reply commits both ends: the TCP stream has carried CLC, so there is no way back
   to TCP; descriptors the library cannot use make the socket fail with ECONNRESET.
 - The daemon hands a stream back (FALLBACK) only before the first CLC byte — every refusal for a
@@ -180,6 +181,7 @@ from pathlib import Path
 
 from smc_handoff.message_defs import (
     FALLBACK_CHANNEL_UNSUPPORTED,
+    FALLBACK_CLOSED_UNANSWERED,
     FALLBACK_DAEMON_BUSY,
     FALLBACK_DAEMON_ERROR,
     FALLBACK_DAEMON_UNAVAILABLE,
@@ -223,6 +225,7 @@ from smc_handoff.message_defs import (
 
 __all__ = [
     "FALLBACK_CHANNEL_UNSUPPORTED",
+    "FALLBACK_CLOSED_UNANSWERED",
     "FALLBACK_DAEMON_BUSY",
     "FALLBACK_DAEMON_ERROR",
     "FALLBACK_DAEMON_UNAVAILABLE",

@@ -5,7 +5,8 @@ An :class:`SmcSocket` *is* a :class:`socket.socket` (a subclass owning the TCP d
 ``settimeout`` and friends act on the TCP socket, which the application keeps for the life of the
 connection (the kernel keeps its clcsock the same way). Once the daemon answered CHANNEL, the data
 calls (``send``/``sendall``/``recv``/``recv_into``/``makefile``/``shutdown``/``close``) go to the
-shared-memory channel and ``fileno()`` is the channel's receive eventfd, readable when data, EOF
+shared-memory channel (``shutdown`` shuts the TCP socket down too, as the kernel's AF_SMC
+does) and ``fileno()`` is the channel's receive eventfd, readable when data, EOF
 or an abort is pending, so ``select``/``selectors`` work. Otherwise (``mode == "tcp"``) every call
 is the plain socket's own, and ``.fallback`` says why.
 
@@ -55,6 +56,7 @@ import functools
 import logging
 import operator
 import os
+import select as _select
 import socket as _socket
 import struct
 import sys
@@ -267,6 +269,13 @@ def _channel_refused() -> Fallback | None:
     """Checked before asking the daemon (once it answered CHANNEL there is no way back to TCP),
     and only when there is one."""
     return None if layout.ORDERING_OK else _UNSUPPORTED
+
+
+_CLOSED_UNANSWERED = Fallback(
+    messages.FALLBACK_CLOSED_UNANSWERED,
+    "CLOSED_UNANSWERED",
+    "closed before smcd answered the handoff, which was given up (no data moved)",
+)
 
 
 _channel_class: type[_Channel] | None = None
@@ -493,24 +502,23 @@ class SmcSocket(_BaseSocket):
         and this one would have waited for the server application's ``accept()`` (a client
         that connects to check a port and closes waited seconds, up to ``timeouts.clc_wait``).
         The hang-up tells smcd: a client half that wrote no CLC byte yet falls back, so the
-        server application reads TCP's EOF; one whose CLC was under way is reset."""
+        server application reads TCP's EOF; one whose CLC was under way is reset. The socket
+        says so (``CLOSED_UNANSWERED``), and so does ``smc-run -v``."""
         with pending.lock:
             if self._pending is not pending:  # another thread settled it meanwhile
                 return False
             ctl = pending.sent.ctl
-            timeout = ctl.gettimeout()
-            ctl.settimeout(0.0)  # (a timed socket's recv waits first, MSG_DONTWAIT or not)
-            try:
-                _BaseSocket.recv(ctl, 1, _socket.MSG_PEEK)
-            except BlockingIOError:
-                ctl.close()
-                self._pending = None
-                _unsettled.discard(self)
-                return True
-            except OSError:
-                pass
-            ctl.settimeout(timeout)
-            return False
+            # Anything there (the answer, or smcd's hang-up) is settled as usual.
+            answered = _select.poll()
+            answered.register(ctl, _select.POLLIN)
+            if answered.poll(0):
+                return False
+            ctl.close()
+            self._pending = None
+            _unsettled.discard(self)
+            self._fallback = _CLOSED_UNANSWERED
+        pending.done(self)
+        return True
 
     def _take(self, result: Handed | Fallback, server_side: bool, fail: bool) -> None:
         """Act on the outcome of a handoff: TCP with its reason, or the channel."""
@@ -974,6 +982,15 @@ class SmcSocket(_BaseSocket):
             smc.wr_shut = True
             smc.channel.shutdown_write()
         smc.notify(messages.Shutdown(how))
+        # The TCP connection follows, as the kernel's smc_shutdown shuts its clcsock down the
+        # same way (smc_close_active does it for SHUT_RDWR): the peer's TCP sees our FIN and
+        # `ss` shows the half-close, while the data's EOF travels in the channel. A TCP reset
+        # under the channel (ENOTCONN) changes nothing for the connection.
+        try:
+            _csocket.socket.shutdown(self, how)
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise
         return None
 
     def _real_close(self, _ss: Any = _csocket.socket) -> None:

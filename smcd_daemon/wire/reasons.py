@@ -95,6 +95,7 @@ class LocalReason(IntEnum):
     CHANNEL_UNSUPPORTED = 0xFF000003
     DETACHED = 0xFF000004
     DAEMON_BUSY = 0xFF000005
+    CLOSED_UNANSWERED = 0xFF000006
 
 
 class LegacyDeclineReason(IntEnum):
@@ -189,6 +190,11 @@ _LOCAL: dict[int, tuple[str, str]] = {
         "of it, or its event loop running late) and handed the socket back before any CLC byte",
         "Transient under load; if it persists, raise [limits] handshakes or overload_lag in "
         "smcd.toml, or find what keeps smcd busy (smcctl stats).",
+    ),
+    LocalReason.CLOSED_UNANSWERED: (
+        "the application closed the socket before smcd answered its handoff (e.g. a port check "
+        "that connects and closes), so the library gave the handoff up",
+        "Expected for connections closed at once; no data moved and the peer read TCP's EOF.",
     ),
 }
 

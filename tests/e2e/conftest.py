@@ -116,6 +116,12 @@ for line in sys.stdin:
         elif op == "close":
             sock.close()
             out(ok=True)
+        elif op == "tcp_state":
+            # The TCP socket under the channel, as TCP_INFO's tcpi_state (1 ESTABLISHED, 4/5
+            # FIN_WAIT1/2, 8 CLOSE_WAIT), asked of the descriptor itself, not of fileno().
+            import _socket
+            info = _socket.socket.getsockopt(sock, socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+            out(state=info[0])
         elif op == "dmbs":
             # The DMBs this process maps (the channel maps both of its connection): inode and
             # how many bytes of the ring (after the 32-byte CDC header) are not zero, read

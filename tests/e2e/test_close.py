@@ -15,6 +15,8 @@ from tests.e2e.conftest import Smcd, pair
 
 pytestmark = pytest.mark.timeout(120)
 
+TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_CLOSE_WAIT = 4, 5, 8  # include/net/tcp_states.h
+
 
 @pytest.mark.parametrize("first", ["client", "server"])
 def test_close_in_either_order(smcd: Smcd, apps: Any, first: str) -> None:
@@ -37,6 +39,10 @@ def test_half_close(smcd: Smcd, apps: Any) -> None:
     assert client.call("shutdown") == {"ok": True}
     got = server.reply()
     assert got["eof"] and (got["n"], got["sha"]) == (sent["sent"], sent["sha"])
+    # The TCP connection under the channel is half-closed too, as the kernel's smc_shutdown
+    # shuts its clcsock down: our FIN went out, the peer's TCP waits for its application.
+    assert client.call("tcp_state")["state"] in (TCP_FIN_WAIT1, TCP_FIN_WAIT2)
+    assert server.call("tcp_state")["state"] == TCP_CLOSE_WAIT
     client.send("recv_all")
     answer = server.call("send", n=70_001, seed=6, chunk=997)
     assert server.call("close") == {"ok": True}

@@ -499,6 +499,12 @@ def test_closing_a_socket_whose_handoff_is_unanswered_does_not_wait(nocfg: Priva
     assert [m[1] for m in _modes(serr)] == ["tcp", "tcp"], serr
     assert all("the client closed the connection" in (m[2] or "") for m in _modes(serr)), serr
     assert gone in nocfg.log(), nocfg.log()[-3000:]
+    # and smc-run -v has a line for each given-up connect, saying so
+    given_up = [m for m in _modes(client.stderr) if m[0] == "connect"]
+    assert [(m[1], (m[2] or "").split(" ")[0]) for m in given_up] == [
+        ("tcp", "CLOSED_UNANSWERED"),
+        ("tcp", "CLOSED_UNANSWERED"),
+    ], client.stderr
 
 
 REPR_PROGRAM = r"""

@@ -65,6 +65,12 @@ class KernelSmcError(RuntimeError):
     """The kernel's SMC could not be driven as asked (the message names the step)."""
 
 
+def dmesg_lines() -> list[str]:
+    """The kernel log, a line each (what the rxe and SMC modules said)."""
+    done = subprocess.run(["dmesg"], check=True, capture_output=True, text=True, timeout=60)
+    return done.stdout.splitlines()
+
+
 def modprobe(*modules: str) -> None:
     done = subprocess.run(
         ["modprobe", "-a", *modules], capture_output=True, text=True, timeout=120, check=False

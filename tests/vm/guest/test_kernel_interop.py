@@ -349,8 +349,7 @@ def peers(smcd: Daemon) -> Iterator[Peers]:
 
 
 def dmesg_tail(n: int = 40) -> str:
-    out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout
-    return "\n".join(out.splitlines()[-n:])
+    return "\n".join(ks.dmesg_lines()[-n:])
 
 
 def kernel_socket(port: int) -> ks.DiagSocket:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from smc_handoff.channel import Channel
+from smc_handoff.handoff import raise_nofile_limit
 from smcd_daemon.adapters.netlink import NetlinkWatcher
 from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
 from smcd_daemon.adapters.verbs import discover_rdma
@@ -33,7 +34,8 @@ from smcd_daemon.core.devices import DeviceInventory
 from smcd_daemon.core.eid import EidTable
 from smcd_daemon.transport.smcr import SmcrTransport
 from smcd_daemon.transport.verbs_model import ipv4_mapped_gid
-from tests.vm.guest.test_smcr_service import _raise_fd_limit, recv_exactly, sendall, tcp_pair
+from tests.vm.guest.kernel_smc import dmesg_lines
+from tests.vm.guest.test_smcr_service import recv_exactly, sendall, tcp_pair
 from tests.vm.topology import POLICY_TABLE, Port, ipv4_mapped_gid_text, ports_of
 
 WAIT = 150.0
@@ -52,7 +54,7 @@ class Hosts:
 
 @contextlib.asynccontextmanager
 async def two_hosts(*, testlink_time: float = 30.0) -> AsyncIterator[Hosts]:
-    _raise_fd_limit()
+    raise_nofile_limit()
     inv = DeviceInventory()
     watcher = NetlinkWatcher(inv)
     await watcher.start()
@@ -93,11 +95,6 @@ async def wait_for(pred: Callable[[], bool], what: str, timeout: float = WAIT) -
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=60)
-
-
-def _dmesg() -> list[str]:
-    done = subprocess.run(["dmesg"], check=True, capture_output=True, text=True, timeout=60)
-    return done.stdout.splitlines()
 
 
 def nic_down(p: Port) -> None:
@@ -325,7 +322,7 @@ def test_smcr_connections_abort_when_both_nics_go_down() -> None:
                 # Destroying a QP whose packets sat in a downed NIC's ring used to wait 50 s
                 # for them and warn; the NIC coming back then panicked the guest in their
                 # destructor (rxe-smc-fixes.patch, third fix).
-                stuck = [line for line in _dmesg() if "__rxe_cleanup" in line]
+                stuck = [line for line in dmesg_lines() if "__rxe_cleanup" in line]
                 assert not stuck, "rxe timed out destroying a QP:\n" + "\n".join(stuck)
             finally:
                 with contextlib.suppress(Exception):

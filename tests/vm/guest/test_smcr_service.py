@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 
 from smc_handoff.channel import Channel
+from smc_handoff.handoff import raise_nofile_limit
 from smcd_daemon.adapters.netlink import NetlinkWatcher
 from smcd_daemon.adapters.smcr_service import SmcrChannel, SmcrService
 from smcd_daemon.adapters.verbs import discover_rdma
@@ -53,17 +53,11 @@ class Hosts:
     pb: Port
 
 
-def _raise_fd_limit() -> None:
-    """Each SMC-R connection holds ~8 descriptors per side here (both daemons and both
-    applications live in this one process); smcd raises its limit the same way."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 @contextlib.asynccontextmanager
 async def two_hosts(*, linger: float = 2.0) -> AsyncIterator[Hosts]:
-    _raise_fd_limit()
+    # Each SMC-R connection holds ~8 descriptors per side here (both daemons and both
+    # applications live in this one process): the limit smcd and the library raise.
+    raise_nofile_limit()
     inv = DeviceInventory()
     watcher = NetlinkWatcher(inv)
     await watcher.start()
