@@ -28,6 +28,7 @@ runs: the program never breaks because smcd is absent.
 from __future__ import annotations
 
 import _socket as _csocket
+import contextlib
 import errno
 import fcntl
 import functools
@@ -329,7 +330,11 @@ def _patch_ssl(ssl: Any) -> None:
     @functools.wraps(wrap_socket)
     def smc_wrap_socket(self: Any, sock: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(sock, SmcSocket):
+            on_smc = sock.mode != "tcp"
             sock.leave_channel()
+            if on_smc and _verbose:  # its connect/accept line said smcd: TLS runs on TCP
+                with contextlib.suppress(OSError):
+                    report("ssl", sock, sock.getpeername())
             if isinstance(sock, AutoSocket) and sock._registration is not None:
                 sock._registration.close()  # a TLS listener hands nothing off
                 sock._registration = None

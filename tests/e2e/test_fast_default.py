@@ -1508,3 +1508,49 @@ def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:
     assert [m[:2] for m in _modes(serr)] == [("accept", "tcp")] * 2, serr
     assert "within 0.5 s (timeouts.proposal_wait)" in serr, serr
     assert "local_client_wait" not in serr, serr
+
+
+TLS_SERVER = r"""
+import socket, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    conn, _ = lsock.accept()
+    with ctx.wrap_socket(conn, server_side=True) as tls:
+        tls.sendall(tls.recv(100).upper())
+"""
+
+TLS_CLIENT = r"""
+import socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+for i in range(2):
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            tls.sendall(b"hello %d" % i)
+            print(tls.recv(100).decode(), flush=True)
+"""
+
+
+def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """``ssl`` takes an upgraded socket over: the connection leaves its channel before the TLS
+    handshake and TLS runs on TCP. ``smc-run -v`` said ``smcd`` at connect and accept; it now
+    also says, for each end, that TLS took the connection to TCP (``DETACHED``)."""
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make a test certificate (apt-get install openssl)"
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, TLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == "HELLO 0\nHELLO 1\n", client.stderr
+    for side, err in (("connect", client.stderr), ("accept", serr)):
+        ops = [ln.split(": ", 1)[1] for ln in err.splitlines() if ln.startswith("smc-run[")]
+        ops = [ln for ln in ops if not ln.startswith("listen ")]
+        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 2, err
+        assert all(": smcd conn " in op for op in ops[0::2]), err
+        assert all(": tcp (DETACHED (0xff000004)" in op for op in ops[1::2]), err

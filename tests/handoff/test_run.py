@@ -222,7 +222,7 @@ def test_tls_programs_leave_the_channel_and_work(tmp_path: Path) -> None:
         assert server.stdout is not None
         port = server.stdout.readline().strip()
         client = subprocess.run(
-            [*SMC_RUN, sys.executable, "-c", TLS_CLIENT, str(cert), port],
+            [*SMC_RUN, "-v", sys.executable, "-c", TLS_CLIENT, str(cert), port],
             env=env,
             cwd=REPO,
             capture_output=True,
@@ -234,3 +234,11 @@ def test_tls_programs_leave_the_channel_and_work(tmp_path: Path) -> None:
         daemon.stop()
     assert client.stdout == "client smcd\nHELLO TLS DETACHED\n", client.stderr
     assert out == "server smcd\n"
+    # -v said smcd at connect; it also says that TLS took the connection to TCP
+    lines = [ln.split(": ", 1)[1] for ln in client.stderr.splitlines() if ln.startswith("smc-run[")]
+    assert [ln.split(")", 1)[0] for ln in lines] == [
+        f"connect ('127.0.0.1', {port}",
+        f"ssl ('127.0.0.1', {port}",
+    ], client.stderr
+    assert lines[0].endswith(": smcd") or ": smcd conn " in lines[0], client.stderr
+    assert ": tcp (DETACHED (0xff000004)" in lines[1], client.stderr
