@@ -557,7 +557,15 @@ class ChannelBase:
             return True
         if timeout is not None and timeout <= 0:
             return self._check_link()
-        if self._spin_sleep(w, ready, timeout):
+        try:
+            slept = self._spin_sleep(w, ready, timeout)
+        except ValueError:
+            # Another thread closed this end while this one waited (a program's shutdown
+            # path): the released views raise ValueError. Give the waiter what a closed
+            # socket's calls give, EBADF, not an exception type no socket user expects.
+            self._check_open()
+            raise
+        if slept:
             if w.since:  # a longer spin would have caught it: learn from the sleep
                 learn(w, time.perf_counter_ns())
             return True

@@ -116,6 +116,26 @@ for line in sys.stdin:
         elif op == "close":
             sock.close()
             out(ok=True)
+        elif op in ("bg_recv", "bg_send"):
+            # A second thread blocked in recv() or in sendall() of n bytes (the peer does not
+            # read), for a close() from this one: "bg_result" says how that call ended.
+            import threading
+            def _bg(call):
+                try:
+                    got = call()
+                    bg_out.update(ok=True, n=len(got) if isinstance(got, bytes) else None)
+                except Exception as e:
+                    bg_out.update(error=type(e).__name__, errno=getattr(e, "errno", None))
+            bg_out = {}
+            work = (lambda: sock.recv(100)) if op == "bg_recv" else (
+                lambda: sock.sendall(bytes(cmd["n"])))
+            bg = threading.Thread(target=_bg, args=(work,), daemon=True)
+            bg.start()
+            time.sleep(cmd.get("settle", 0.3))  # it is blocked by now
+            out(ok=True)
+        elif op == "bg_result":
+            bg.join(cmd.get("timeout", 5))
+            out(alive=bg.is_alive(), **bg_out)
         elif op == "tcp_state":
             # The TCP socket under the channel, as TCP_INFO's tcpi_state (1 ESTABLISHED, 4/5
             # FIN_WAIT1/2, 8 CLOSE_WAIT), asked of the descriptor itself, not of fileno().

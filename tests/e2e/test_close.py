@@ -50,6 +50,23 @@ def test_half_close(smcd: Smcd, apps: Any) -> None:
     assert got["eof"] and (got["n"], got["sha"]) == (answer["sent"], answer["sha"])
 
 
+@pytest.mark.parametrize("blocked", ["bg_recv", "bg_send"])
+def test_close_while_another_thread_is_blocked_on_the_socket(
+    smcd: Smcd, apps: Any, blocked: str
+) -> None:
+    """A program's shutdown path: one thread blocked in ``recv()`` (or in ``sendall()`` to a
+    peer that does not read) while another closes the socket. The blocked call ends with
+    ``OSError(EBADF)``, as a closed socket's calls do, not with a ``ValueError`` from the
+    channel's released memory views that a thread catching ``OSError`` dies of."""
+    server, client, _ = pair(apps)
+    assert client.call(blocked, n=64 << 20) == {"ok": True}
+    assert client.call("close") == {"ok": True}
+    assert client.call("bg_result") == {"alive": False, "error": "OSError", "errno": 9}
+    server.send("recv_all")  # the peer reads what the ring held, then the end
+    got = server.reply()
+    assert got.get("eof") or got.get("error") == "ConnectionResetError", got
+
+
 def test_close_with_unread_data_resets_the_peer(smcd: Smcd, apps: Any) -> None:
     server, client, _ = pair(apps)
     assert server.call("sendbytes", data="unread " * 100) == {"ok": True}
