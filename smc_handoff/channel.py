@@ -343,10 +343,18 @@ class Channel(ChannelBase):
     def shutdown_read(self) -> None:
         """SHUT_RD: nothing changes for the peer (the kernel's AF_SMC sends nothing either), but
         a read no longer waits: it returns what is there, else EOF. So the end polls readable
-        from now on, as a TCP socket shut for reading does."""
+        from now on, as a TCP socket shut for reading does. A read blocked in another thread
+        returns too (TCP's shutdown wakes it): at once when it sleeps on the eventfd, which
+        this kicks; one that sleeps on the peer link (which only the peer can make readable)
+        at its next look, within ``_SLEEP_CAP_S``."""
         self._rd_shut = True
         if self._level:
             self._level_sync()
+        elif self._efd_sleeper:
+            try:  # noqa: SIM105 (no contextlib import for one line)
+                os.eventfd_write(self._rx_efd, 1)
+            except OSError:
+                pass
 
     # ---------------------------------------------------------------------------- receiving
 

@@ -650,7 +650,7 @@ class SmcSocket(_BaseSocket):
             return n
         deadline = self._deadline(flags)
         while True:
-            if ch.eof:
+            if ch.eof or smc.rd_shut:  # (SHUT_RD by another thread: what was there, then EOF)
                 return 0
             if deadline != 0.0:
                 smc.check_daemon(_BaseSocket.fileno(self))
@@ -687,7 +687,7 @@ class SmcSocket(_BaseSocket):
                 n, done = ch.peek_into(view)
                 if n and (not waitall or n == want or done):
                     return n
-                if not n and ch.eof:
+                if not n and (ch.eof or smc.rd_shut):
                     return 0
                 if deadline != 0.0:
                     smc.check_daemon(fd)
@@ -704,7 +704,7 @@ class SmcSocket(_BaseSocket):
                     return got
                 raise
             got += n
-            if got == want or (got and not waitall) or ch.eof:
+            if got == want or (got and not waitall) or ch.eof or smc.rd_shut:
                 return got
             if not n:
                 if deadline != 0.0:

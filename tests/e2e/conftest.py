@@ -111,7 +111,7 @@ for line in sys.stdin:
             except OSError as e:
                 out(n=n, error=type(e).__name__, elapsed=time.monotonic() - t0)
         elif op == "shutdown":
-            sock.shutdown(socket.SHUT_WR)
+            sock.shutdown(getattr(socket, cmd.get("how", "SHUT_WR")))
             out(ok=True)
         elif op == "close":
             sock.close()
@@ -136,6 +136,8 @@ for line in sys.stdin:
         elif op == "bg_result":
             bg.join(cmd.get("timeout", 5))
             out(alive=bg.is_alive(), **bg_out)
+        elif op == "fileno":  # what a poller does first: the channel goes to level mode
+            out(fd=sock.fileno())
         elif op == "tcp_state":
             # The TCP socket under the channel, as TCP_INFO's tcpi_state (1 ESTABLISHED, 4/5
             # FIN_WAIT1/2, 8 CLOSE_WAIT), asked of the descriptor itself, not of fileno().

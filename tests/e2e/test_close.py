@@ -67,6 +67,28 @@ def test_close_while_another_thread_is_blocked_on_the_socket(
     assert got.get("eof") or got.get("error") == "ConnectionResetError", got
 
 
+@pytest.mark.parametrize("polled", [False, True], ids=["blocking", "polled"])
+@pytest.mark.parametrize("how", ["SHUT_RD", "SHUT_RDWR"])
+def test_shutdown_wakes_a_reader_blocked_in_another_thread(
+    smcd: Smcd, apps: Any, how: str, polled: bool
+) -> None:
+    """The usual way to stop a reader thread: ``shutdown()`` from another one. TCP's wakes the
+    blocked ``recv()``, which returns ``b""``. Here the reader woke only when its nap ended and
+    then spun at full CPU: the socket's wait loop looked only for the peer's EOF, not for the
+    shutdown, until the socket was closed. A reader that sleeps on the eventfd (``polled``: the
+    program took ``fileno()``) is kicked at once; one on the peer link looks again within a
+    second. Data the peer sends afterwards is still readable, as on Linux TCP."""
+    server, client, _ = pair(apps)
+    if polled:
+        assert "fd" in client.call("fileno")
+    assert client.call("bg_recv") == {"ok": True}
+    assert client.call("shutdown", how=how) == {"ok": True}
+    assert client.call("bg_result", timeout=3) == {"alive": False, "ok": True, "n": 0}
+    if how == "SHUT_RD":
+        assert server.call("sendbytes", data="after") == {"ok": True}
+        assert client.call("recv", n=5) == {"data": "after"}
+
+
 def test_close_with_unread_data_resets_the_peer(smcd: Smcd, apps: Any) -> None:
     server, client, _ = pair(apps)
     assert server.call("sendbytes", data="unread " * 100) == {"ok": True}
