@@ -318,6 +318,11 @@ class ChannelBase:
         self._sleep_lock = threading.Lock()
         self._link_sleeper = False
         self._efd_sleeper = False
+        # One sender and one receiver at a time: the ring's cursors and our waiter words are
+        # one thread's each, so threads sharing a socket (TCP allows it: each send is atomic)
+        # take these in the socket layer (smc_handoff.socket), never inside the channel.
+        self.tx_lock = threading.Lock()
+        self.rx_lock = threading.Lock()
 
         # Failure state.
         self._link_dead = False
@@ -379,6 +384,8 @@ class ChannelBase:
         self._sleep_lock = threading.Lock()
         self._hup_lock = threading.Lock()
         self._level_lock = threading.Lock()
+        self.tx_lock = threading.Lock()
+        self.rx_lock = threading.Lock()
         self._link_sleeper = self._efd_sleeper = False
 
     def _fork_done(self) -> None:

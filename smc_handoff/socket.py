@@ -323,6 +323,19 @@ def _settle_all() -> None:
             sock._settle()
 
 
+def _take_turn(lock: threading.Lock, deadline: float | None) -> None:
+    """Wait for a direction's turn (``ChannelBase.tx_lock``/``rx_lock``) as the call waits
+    for its data: forever, until its deadline (``socket.timeout``), or not at all (EAGAIN)."""
+    if lock.acquire(False):
+        return
+    if deadline is None:
+        lock.acquire()
+    elif deadline == 0.0:
+        raise _eagain()
+    elif not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise _timeout()
+
+
 # --- the socket -------------------------------------------------------------------------------
 
 
@@ -613,13 +626,16 @@ class SmcSocket(_BaseSocket):
         smc = self._smc  # None once closed: then _live() below raises EBADF
         if smc is not None and nbytes is _ZERO and flags is _ZERO and not smc.rd_shut:
             ch = smc.channel
-            n = ch.recv_fast(buffer)  # the fast path: data there, one copy
-            if n:
-                return n
-            # Blocking and nothing yet: spin for the peer's store before the long way (whose
-            # set-up would delay a ping-pong's reply by microseconds).
-            if self.gettimeout() is None and ch.spin_readable():
-                n = ch.recv_fast(buffer)
+            lock = ch.rx_lock
+            if lock.acquire(False):  # (another thread reading: the long way waits its turn)
+                try:
+                    n = ch.recv_fast(buffer)  # the fast path: data there, one copy
+                    # Blocking and nothing yet: spin for the peer's store before the long way
+                    # (whose set-up would delay a ping-pong's reply by microseconds).
+                    if not n and self.gettimeout() is None and ch.spin_readable():
+                        n = ch.recv_fast(buffer)
+                finally:
+                    lock.release()
                 if n:
                     return n
         smc = self._live()
@@ -640,6 +656,16 @@ class SmcSocket(_BaseSocket):
             return 0
         if flags & _MSG_TRUNC:  # TCP's (and AF_SMC's): the bytes are read, not copied out
             return self.recv_into(bytearray(view.nbytes), 0, flags & ~_MSG_TRUNC)
+        lock = smc.channel.rx_lock
+        deadline = self._deadline(flags)
+        _take_turn(lock, deadline)
+        try:
+            return self._recv_turn(smc, view, flags, deadline)
+        finally:
+            lock.release()
+
+    def _recv_turn(self, smc: _Smc, view: memoryview, flags: int, deadline: float | None) -> int:
+        """The rest of :meth:`recv_into`, this thread's turn to read (``rx_lock``)."""
         if smc.rd_shut:
             return self._recv_after_shut_rd(smc, view, flags)
         if flags & (_MSG_PEEK | _MSG_WAITALL):
@@ -648,7 +674,6 @@ class SmcSocket(_BaseSocket):
         n = ch.recv_into(view)  # raises ConnectionResetError after an abort
         if n:
             return n
-        deadline = self._deadline(flags)
         while True:
             if ch.eof or smc.rd_shut:  # (SHUT_RD by another thread: what was there, then EOF)
                 return 0
@@ -721,9 +746,14 @@ class SmcSocket(_BaseSocket):
             bufsize = _size(bufsize, "negative buffersize in recv")
         smc = self._smc
         if smc is not None and flags is _ZERO and not smc.rd_shut:
-            data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out of the ring
-            if data:
-                return data
+            lock = smc.channel.rx_lock
+            if lock.acquire(False):
+                try:
+                    data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out
+                finally:
+                    lock.release()
+                if data:
+                    return data
         size = min(bufsize, self._smc.info.rx_size) if self._smc is not None else bufsize
         buf = bytearray(size)  # one call never returns more than a ring holds
         n = self.recv_into(buf, size, flags)
@@ -842,9 +872,14 @@ class SmcSocket(_BaseSocket):
     def send(self, data: Buffer, flags: int = 0) -> int:
         smc = self._smc  # None once closed: then _live() below raises EBADF
         if smc is not None and flags is _ZERO:
-            n = smc.channel.send_fast(data)  # the fast path: all of it fits, one copy
-            if n:
-                return n
+            lock = smc.channel.tx_lock
+            if lock.acquire(False):  # (another thread sending: the long way waits its turn)
+                try:
+                    n = smc.channel.send_fast(data)  # the fast path: all of it fits, one copy
+                finally:
+                    lock.release()
+                if n:
+                    return n
         smc = self._live()
         if smc is None:
             return super().send(data, flags)
@@ -853,6 +888,15 @@ class SmcSocket(_BaseSocket):
         view = _send_view(data)
         if not view.nbytes:
             return 0
+        lock = smc.channel.tx_lock
+        _take_turn(lock, self._deadline(flags))
+        try:
+            return self._send_turn(smc, view, flags)
+        finally:
+            lock.release()
+
+    def _send_turn(self, smc: _Smc, view: memoryview, flags: int) -> int:
+        """The rest of :meth:`send`, this thread's turn to write (``tx_lock``)."""
         n = self._send_some(smc, view, flags)
         if n < view.nbytes and self._deadline(flags) is None:
             # Blocking: all of it, as Linux TCP's (and the kernel AF_SMC's) send returns only
@@ -867,21 +911,43 @@ class SmcSocket(_BaseSocket):
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:
         smc = self._smc  # None once closed: then _live() below raises EBADF
-        if smc is not None and flags is _ZERO and smc.channel.send_fast(data):
-            return None  # the fast path: all of it fitted, one copy
+        if smc is not None and flags is _ZERO:
+            lock = smc.channel.tx_lock
+            if lock.acquire(False):  # (another thread sending: the long way waits its turn)
+                try:
+                    sent = smc.channel.send_fast(data)
+                finally:
+                    lock.release()
+                if sent:
+                    return None  # the fast path: all of it fitted, one copy
         smc = self._live()
         if smc is None:
             return super().sendall(data, flags)
         if flags is not _ZERO:
             flags = self._check_flags(flags, _SEND_FLAGS)
         view = _send_view(data)
+        lock = smc.channel.tx_lock
+        deadline = self._deadline(flags)  # as CPython: the timeout covers the whole call
+        # The whole call is one turn: another thread's sendall never lands inside this one's
+        # bytes (on TCP it may, between two of the kernel's waits for room).
+        _take_turn(lock, deadline)
+        try:
+            self._sendall_turn(smc, view, flags, deadline)
+        finally:
+            lock.release()
+        return None
+
+    def _sendall_turn(
+        self, smc: _Smc, view: memoryview, flags: int, deadline: float | None
+    ) -> None:
+        """The rest of :meth:`sendall`, this thread's turn to write (``tx_lock``)."""
         if view.nbytes:  # what fits at once
             n = smc.channel.send_into(view)
             if n:
                 if n == view.nbytes:
                     return None
                 view = view[n:]
-        smc.deadline = self._deadline(flags)  # as CPython: the timeout covers the whole call
+        smc.deadline = deadline
         try:
             while view.nbytes:
                 n = self._send_some(smc, view, flags)
