@@ -323,6 +323,12 @@ def _settle_all() -> None:
             sock._settle()
 
 
+def _closed_meanwhile(ch: _Channel, error: ValueError) -> Exception:
+    """What a call gets when another thread closed its socket under it: the channel's released
+    memory views raise ``ValueError``, where every call on a closed socket raises EBADF."""
+    return _ebadf() if ch.closed else error
+
+
 def _take_turn(lock: threading.Lock, deadline: float | None) -> None:
     """Wait for a direction's turn (``ChannelBase.tx_lock``/``rx_lock``) as the call waits
     for its data: forever, until its deadline (``socket.timeout``), or not at all (EAGAIN)."""
@@ -634,6 +640,8 @@ class SmcSocket(_BaseSocket):
                     # (whose set-up would delay a ping-pong's reply by microseconds).
                     if not n and self.gettimeout() is None and ch.spin_readable():
                         n = ch.recv_fast(buffer)
+                except ValueError as e:  # (released views: closed by another thread)
+                    raise _closed_meanwhile(smc.channel, e) from None
                 finally:
                     lock.release()
                 if n:
@@ -661,6 +669,8 @@ class SmcSocket(_BaseSocket):
         _take_turn(lock, deadline)
         try:
             return self._recv_turn(smc, view, flags, deadline)
+        except ValueError as e:  # (released views: closed by another thread)
+            raise _closed_meanwhile(smc.channel, e) from None
         finally:
             lock.release()
 
@@ -750,6 +760,8 @@ class SmcSocket(_BaseSocket):
             if lock.acquire(False):
                 try:
                     data = smc.channel.recv_bytes(bufsize)  # the fast path: one copy out
+                except ValueError as e:  # (released views: closed by another thread)
+                    raise _closed_meanwhile(smc.channel, e) from None
                 finally:
                     lock.release()
                 if data:
@@ -876,6 +888,8 @@ class SmcSocket(_BaseSocket):
             if lock.acquire(False):  # (another thread sending: the long way waits its turn)
                 try:
                     n = smc.channel.send_fast(data)  # the fast path: all of it fits, one copy
+                except ValueError as e:  # (released views: closed by another thread)
+                    raise _closed_meanwhile(smc.channel, e) from None
                 finally:
                     lock.release()
                 if n:
@@ -892,6 +906,8 @@ class SmcSocket(_BaseSocket):
         _take_turn(lock, self._deadline(flags))
         try:
             return self._send_turn(smc, view, flags)
+        except ValueError as e:  # (released views: closed by another thread)
+            raise _closed_meanwhile(smc.channel, e) from None
         finally:
             lock.release()
 
@@ -916,6 +932,8 @@ class SmcSocket(_BaseSocket):
             if lock.acquire(False):  # (another thread sending: the long way waits its turn)
                 try:
                     sent = smc.channel.send_fast(data)
+                except ValueError as e:  # (released views: closed by another thread)
+                    raise _closed_meanwhile(smc.channel, e) from None
                 finally:
                     lock.release()
                 if sent:
@@ -933,6 +951,8 @@ class SmcSocket(_BaseSocket):
         _take_turn(lock, deadline)
         try:
             self._sendall_turn(smc, view, flags, deadline)
+        except ValueError as e:  # (released views: closed by another thread)
+            raise _closed_meanwhile(smc.channel, e) from None
         finally:
             lock.release()
         return None

@@ -13,6 +13,7 @@ The program runs unmodified under ``smc-run -v`` against a private smcd with no 
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 from collections.abc import Iterator
@@ -139,3 +140,55 @@ def test_threads_sharing_a_socket_send_and_receive_every_byte_once(nocfg: Privat
         f"bytes {64 << 20} each value even",
         "errors []",
     ], proc.stderr[-3000:]
+
+
+CLOSE_RACE = r"""
+import collections, random, socket, threading, time
+lsock = socket.create_server(("127.0.0.1", 0))
+port = lsock.getsockname()[1]
+ends = collections.Counter()
+for rnd in range(120):
+    sending = rnd % 2 == 0
+    c = socket.create_connection(("127.0.0.1", port))
+    s, _ = lsock.accept()
+    assert c.mode == "smcd", c.fallback
+    def peer():  # keeps the other side busy: draining c's sends, or feeding c's reads
+        try:
+            while (s.recv(1 << 16) if sending else s.send(b"y" * 1000)):
+                pass
+        except OSError:
+            pass
+    def hammer():
+        try:
+            while True:
+                c.send(b"x" * 100) if sending else c.recv(100)
+        except Exception as e:
+            ends[type(e).__name__] += 1
+    threads = [threading.Thread(target=peer), threading.Thread(target=hammer)]
+    for t in threads:
+        t.start()
+    time.sleep(random.random() * 0.01)
+    c.close()  # under the hammering thread
+    threads[1].join(10)
+    s.close()
+    threads[0].join(10)
+print(sorted(ends.items()), sum(ends.values()), flush=True)
+"""
+
+
+def test_a_socket_closed_under_a_busy_thread_ends_its_calls_with_oserror(
+    nocfg: PrivateSmcd,
+) -> None:
+    """One thread sends (or receives) in a loop while another closes the socket: the loop's
+    call ends with an ``OSError`` (EBADF, or the reset of an abort when data was unread), as on
+    a closed TCP socket. Before, about half the rounds ended with a ``ValueError`` from the
+    channel's released memory views, which a thread catching ``OSError`` dies of."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+    env = {**env, **nocfg.env, "PYTHONPATH": os.fspath(REPO)}
+    proc = subprocess.run([os.fspath(SMC_RUN), os.fspath(PYTHON), "-c", CLOSE_RACE],
+                          capture_output=True, text=True, env=env, timeout=170)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kinds, total = proc.stdout.rsplit("]", 1)
+    assert int(total) == 120, proc.stdout
+    names = {name for name, _ in ast.literal_eval(kinds + "]")}
+    assert names <= {"OSError", "ConnectionResetError", "BrokenPipeError"}, proc.stdout
