@@ -37,7 +37,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ from pydantic_core import PydanticCustomError
 from smcd_daemon.core.eid import SMC_CLC_MAX_UEID, EidError, normalize_ueid
 from smcd_daemon.core.pnet import PnetError, PnetTable
 from smcd_daemon.errors import SmcError
+from smcd_daemon.paths import default_runtime_dir
 
 __all__ = [
     "RELOADABLE",
@@ -633,15 +633,6 @@ class Config(_Section):
 
         walk(self, "")
         return out
-
-
-def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_RUNTIME_DIR/smcd``, else ``<tmp>/smcd-<uid>`` (unprivileged, per user)."""
-    env = os.environ if env is None else env
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if xdg.startswith("/"):
-        return Path(xdg) / "smcd"
-    return Path(tempfile.gettempdir()) / f"smcd-{os.getuid()}"
 
 
 def default_bus(env: Mapping[str, str] | None = None) -> str:

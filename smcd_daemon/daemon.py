@@ -66,6 +66,7 @@ from smcd_daemon.core.persist import (
 from smcd_daemon.core.pnet import PnetError, PnetTable
 from smcd_daemon.core.registry import Registry
 from smcd_daemon.errors import SmcError
+from smcd_daemon.paths import BUS_RECORD_FILE, PRIVATE_BUS_ADDRESS_FILE
 
 if TYPE_CHECKING:
     from smcd_daemon.adapters.smcr_service import SmcrService
@@ -82,15 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("smcd")
-
-PRIVATE_BUS_ADDRESS_FILE = "bus.address"
-"""With ``dbus.bus = "private"`` smcd starts its own dbus-daemon and writes its address to this
-file in the runtime dir (``smcctl --bus private`` reads it)."""
-
-BUS_RECORD_FILE = "bus"
-"""smcd writes the bus it serves ``org.smcd`` on to this file in the runtime dir (two lines: what
-``dbus.bus`` said, then the address it connected to) and removes it on stop, so that smcctl run
-with the same defaults finds it (see smcd_daemon.cli.discover)."""
 
 _OVERRIDES = {
     "bus": "dbus.bus",

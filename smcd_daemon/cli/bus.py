@@ -70,8 +70,7 @@ class CliError(SmcError):
 
 
 def _private_address() -> str:
-    from smcd_daemon.config import default_runtime_dir
-    from smcd_daemon.daemon import PRIVATE_BUS_ADDRESS_FILE
+    from smcd_daemon.paths import PRIVATE_BUS_ADDRESS_FILE, default_runtime_dir
 
     env_dir = os.environ.get(ENV_RUNTIME_DIR)
     runtime = Path(env_dir) if env_dir else default_runtime_dir()

@@ -3,7 +3,7 @@
 smcd picks its bus from its configuration (``dbus.bus``): the installed service says "system";
 run by hand without ``--config`` it takes the session bus when the user has one, else a private
 bus of its own. Every smcd records what it chose in ``<runtime_dir>/bus`` (the spec and the
-address it connected to; see smcd_daemon.daemon.BUS_RECORD_FILE). smcctl looks, in this order:
+address it connected to; see smcd_daemon.paths.BUS_RECORD_FILE). smcctl looks, in this order:
 
 1. the system bus, if ``org.smcd`` has an owner there (the service runs);
 2. the record in the runtime dir smcd would use with the same defaults (``$SMCD_RUNTIME_DIR``,
@@ -41,7 +41,7 @@ class NotFound(Exception):
 
 def record_dirs() -> list[Path]:
     """Runtime dirs whose ``bus`` record smcctl reads, in order (no duplicates)."""
-    from smcd_daemon.config import default_runtime_dir
+    from smcd_daemon.paths import default_runtime_dir
 
     env_dir = os.environ.get(ENV_RUNTIME_DIR)
     dirs = [Path(env_dir) if env_dir else default_runtime_dir(), SYSTEM_RUNTIME_DIR]

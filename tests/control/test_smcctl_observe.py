@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -91,6 +92,15 @@ def test_finds_the_private_bus_smcd_chose_and_says_where_it_looked(work: Path) -
         r = _smcctl(["info"], env)
         assert r.returncode == 0, r.stderr
         assert "smcd version" in r.stdout
+        # Finding it (by the record, or --bus private) imports neither the daemon nor its
+        # configuration model (pydantic, pyroute2): they cost every command ~0.3 s.
+        for how in ([], ["--bus", "private"]):
+            r = subprocess.run([sys.executable, "-X", "importtime", str(SMCCTL), *how, "info"],
+                               capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+            assert r.returncode == 0 and "smcd version" in r.stdout, r.stderr[-2000:]
+            loaded = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()}
+            heavy = {"smcd_daemon.daemon", "smcd_daemon.config", "pydantic", "pyroute2"}
+            assert not heavy & loaded, (how, heavy & loaded)
     finally:
         assert proc.stop() == 0
     assert not (xdg / "smcd" / "bus").exists()
