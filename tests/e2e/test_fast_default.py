@@ -1554,3 +1554,44 @@ def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path:
         assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 2, err
         assert all(": smcd conn " in op for op in ops[0::2]), err
         assert all(": tcp (DETACHED (0xff000004)" in op for op in ops[1::2]), err
+
+
+LINK_LOCAL = r"""
+import socket
+lsock = socket.create_server(("::", 0), family=socket.AF_INET6)
+port = lsock.getsockname()[1]
+c = socket.create_connection(("fe80::1%d0", port), timeout=10)
+s, _ = lsock.accept()
+c.sendall(b"hi")
+assert s.recv(2) == b"hi"
+print(c.mode, s.mode, flush=True)
+"""
+
+
+def test_an_ipv6_link_local_connection_on_one_host_gets_smcd() -> None:
+    """A connection to one of this host's IPv6 link-local addresses (``fe80::1%d0``): smcd
+    asked "is the peer's address ours?" by binding to it without the interface's scope,
+    which a link-local address refuses, so the client half took the wildcard listener for
+    someone else's (PEERNOSMC) and the server half waited ``proposal_wait`` (1 s) for nothing.
+    smcd runs in a namespace of its own where a veth pair's ``d0`` holds that address."""
+    ns = f"smcdll{os.getpid() % 10000}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        for cmd in (["link", "set", "lo", "up"],
+                    ["link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+                    ["link", "set", "d0", "up"], ["link", "set", "d1", "up"],
+                    ["-6", "addr", "add", "fe80::1/64", "dev", "d0", "nodad"]):  # fmt: skip
+            subprocess.run(["ip", "-n", ns, *cmd], check=True, capture_output=True)
+        in_ns = ("ip", "netns", "exec", ns, os.fspath(REPO / ".venv" / "bin" / "smcd"))
+        smcd = PrivateSmcd(config_text="", name="linklocal", command=in_ns)
+        try:
+            smcd.start()
+            env = _env(smcd)
+            proc = subprocess.run(_smc_run(env, LINK_LOCAL, netns=ns), capture_output=True,
+                                  text=True, env=env, timeout=60)  # fmt: skip
+        finally:
+            smcd.cleanup()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "smcd smcd\n", proc.stderr[-3000:]

@@ -190,6 +190,17 @@ LOCAL_ADDRESS_TTL = 2.0
 a wildcard listener's clients would otherwise cost a socket and a bind each)."""
 
 
+def _binds(ip: IpAddress, scope: int) -> bool:
+    """Can a socket of this namespace bind to ``ip`` (on interface ``scope``, for IPv6)?"""
+    v6 = ip.version == 6
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((str(ip), 0, 0, scope) if v6 else (str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
 class LocalAddresses:
     """Is an address one of this network namespace's? (Binding to it succeeds only then.)"""
 
@@ -205,13 +216,11 @@ class LocalAddresses:
         known = self._known.get(ip)
         if known is not None and known[1] > now:
             return known[0]
-        fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-        with socket.socket(fam, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((str(ip), 0))
-                local = True
-            except OSError:
-                local = False
+        local = _binds(ip, 0)
+        if not local and ip.version == 6 and ip.is_link_local:
+            # A link-local address binds only with its interface's scope, which the callers do
+            # not pass: it is ours when some interface of this namespace holds it.
+            local = any(_binds(ip, index) for index, _ in socket.if_nameindex())
         if len(self._known) >= self.MAX:
             self._known.clear()
         self._known[ip] = (local, now + LOCAL_ADDRESS_TTL)
