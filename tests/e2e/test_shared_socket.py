@@ -192,3 +192,48 @@ def test_a_socket_closed_under_a_busy_thread_ends_its_calls_with_oserror(
     assert int(total) == 120, proc.stdout
     names = {name for name, _ in ast.literal_eval(kinds + "]")}
     assert names <= {"OSError", "ConnectionResetError", "BrokenPipeError"}, proc.stdout
+
+
+SHUT_RD_WAKE = r"""
+import socket, threading, time
+lsock = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(lsock.getsockname())
+s, _ = lsock.accept()
+assert c.mode == "smcd", c.fallback
+ends = {}
+def writer():  # the peer never reads: this sleeper holds the peer link
+    try:
+        c.sendall(bytes(64 << 20))
+    except OSError as e:
+        ends["writer"] = type(e).__name__
+def reader():  # the second sleeper: the eventfd
+    t0 = time.monotonic()
+    ends["reader"] = (c.recv(10), time.monotonic() - t0)
+w = threading.Thread(target=writer)
+w.start()
+time.sleep(0.3)
+r = threading.Thread(target=reader)
+r.start()
+time.sleep(0.3)
+t0 = time.monotonic()
+c.shutdown(socket.SHUT_RD)
+r.join(5)
+print("reader", ends["reader"][0], "fast" if time.monotonic() - t0 < 0.5 else "slow", flush=True)
+c.close()
+w.join(5)
+print("writer", ends.get("writer"), flush=True)
+"""
+
+
+def test_shut_rd_wakes_a_reader_sleeping_beside_a_blocked_writer_at_once(
+    nocfg: PrivateSmcd,
+) -> None:
+    """A writer blocked on a full ring sleeps on the peer link; a reader blocked beside it
+    sleeps on the eventfd, which ``shutdown(SHUT_RD)`` kicks: the reader returns ``b""`` at
+    once, not at its next look a second later."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
+    env = {**env, **nocfg.env, "PYTHONPATH": os.fspath(REPO)}
+    proc = subprocess.run([os.fspath(SMC_RUN), os.fspath(PYTHON), "-c", SHUT_RD_WAKE],
+                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "reader b'' fast\nwriter OSError\n", proc.stderr[-3000:]
