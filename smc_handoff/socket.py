@@ -66,7 +66,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from smc_handoff import layout, messages, peer_option
 from smc_handoff.handoff import (
@@ -248,6 +248,9 @@ def _timeout() -> TimeoutError:
     return TimeoutError("timed out")  # the message CPython's socket module uses
 
 
+_T = TypeVar("_T")
+
+
 # --- making the channel -------------------------------------------------------------------
 
 
@@ -340,6 +343,20 @@ def _take_turn(lock: threading.Lock, deadline: float | None) -> None:
         raise _eagain()
     elif not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
         raise _timeout()
+
+
+def _in_turn(
+    lock: threading.Lock, deadline: float | None, call: Callable[..., _T], smc: _Smc, *args: Any
+) -> _T:
+    """``call(smc, *args)`` in this thread's turn of a direction (the long ways; the fast
+    paths take the turn inline, where a call more would cost a ping-pong's microseconds)."""
+    _take_turn(lock, deadline)
+    try:
+        return call(smc, *args)
+    except ValueError as e:  # (released views: closed by another thread)
+        raise _closed_meanwhile(smc.channel, e) from None
+    finally:
+        lock.release()
 
 
 # --- the socket -------------------------------------------------------------------------------
@@ -664,15 +681,8 @@ class SmcSocket(_BaseSocket):
             return 0
         if flags & _MSG_TRUNC:  # TCP's (and AF_SMC's): the bytes are read, not copied out
             return self.recv_into(bytearray(view.nbytes), 0, flags & ~_MSG_TRUNC)
-        lock = smc.channel.rx_lock
         deadline = self._deadline(flags)
-        _take_turn(lock, deadline)
-        try:
-            return self._recv_turn(smc, view, flags, deadline)
-        except ValueError as e:  # (released views: closed by another thread)
-            raise _closed_meanwhile(smc.channel, e) from None
-        finally:
-            lock.release()
+        return _in_turn(smc.channel.rx_lock, deadline, self._recv_turn, smc, view, flags, deadline)
 
     def _recv_turn(self, smc: _Smc, view: memoryview, flags: int, deadline: float | None) -> int:
         """The rest of :meth:`recv_into`, this thread's turn to read (``rx_lock``)."""
@@ -902,14 +912,8 @@ class SmcSocket(_BaseSocket):
         view = _send_view(data)
         if not view.nbytes:
             return 0
-        lock = smc.channel.tx_lock
-        _take_turn(lock, self._deadline(flags))
-        try:
-            return self._send_turn(smc, view, flags)
-        except ValueError as e:  # (released views: closed by another thread)
-            raise _closed_meanwhile(smc.channel, e) from None
-        finally:
-            lock.release()
+        deadline = self._deadline(flags)
+        return _in_turn(smc.channel.tx_lock, deadline, self._send_turn, smc, view, flags)
 
     def _send_turn(self, smc: _Smc, view: memoryview, flags: int) -> int:
         """The rest of :meth:`send`, this thread's turn to write (``tx_lock``)."""
@@ -944,17 +948,10 @@ class SmcSocket(_BaseSocket):
         if flags is not _ZERO:
             flags = self._check_flags(flags, _SEND_FLAGS)
         view = _send_view(data)
-        lock = smc.channel.tx_lock
         deadline = self._deadline(flags)  # as CPython: the timeout covers the whole call
         # The whole call is one turn: another thread's sendall never lands inside this one's
         # bytes (on TCP it may, between two of the kernel's waits for room).
-        _take_turn(lock, deadline)
-        try:
-            self._sendall_turn(smc, view, flags, deadline)
-        except ValueError as e:  # (released views: closed by another thread)
-            raise _closed_meanwhile(smc.channel, e) from None
-        finally:
-            lock.release()
+        _in_turn(smc.channel.tx_lock, deadline, self._sendall_turn, smc, view, flags, deadline)
         return None
 
     def _sendall_turn(
