@@ -97,6 +97,33 @@ def _download(work: Path, spec: str) -> Path:
     return debs[0]
 
 
+def same_release(madison: str, debver: str) -> str | None:
+    """The first version in ``apt-cache madison`` output (newest first) of the same upstream
+    release as ``debver`` (``6.1.192-3`` for ``6.1.192-2``), or None."""
+    upstream = debver.rsplit("-", 1)[0]
+    for line in madison.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 2 and parts[1].rsplit("-", 1)[0] == upstream:
+            return parts[1]
+    return None
+
+
+def _download_kbuild(work: Path, kbuild: str, debver: str) -> Path:
+    """``linux-kbuild`` (the host's build tools: modpost, fixdep) of exactly ``debver``, else
+    of another Debian revision of the same upstream release. Why: the security archive keeps
+    only the newest build of each binary package, and a revision that rebuilt only some of
+    them leaves the current kernel's exact kbuild gone (6.1.192-3's kbuild beside the image
+    and headers of 6.1.192-2, November 2026); the tools of one upstream release build its
+    modules alike, and the vermagic check below still holds the result to the kernel."""
+    try:
+        return _download(work, f"{kbuild}={debver}")
+    except KmodError as exact:
+        other = same_release(_cmd("apt-cache", "madison", kbuild), debver)
+        if other is None or other == debver:
+            raise exact from None
+        return _download(work, f"{kbuild}={other}")
+
+
 def _unpack(deb: Path, root: Path) -> None:
     _cmd("dpkg-deb", "-x", str(deb), str(root))
     deb.unlink()
@@ -155,8 +182,8 @@ def _build(kernel: KernelTree, cache: Path, patch_sha: str) -> RxeModule:
         kbuild = "linux-kbuild-" + ".".join(version.split(".")[:2])  # linux-kbuild-6.1
         source = "linux-source-" + ".".join(version.split(".")[:2])
         _unpack(deb, root)
-        for pkg in (common, kbuild):
-            _unpack(_download(work, f"{pkg}={debver}"), root)
+        _unpack(_download(work, f"{common}={debver}"), root)
+        _unpack(_download_kbuild(work, kbuild, debver), root)
         _extract_rxe_source(_download(work, f"{source}={debver}"), work / "src")
 
         hdir = root / "usr" / "src" / headers
