@@ -128,11 +128,16 @@ def nocfg() -> Iterator[PrivateSmcd]:
         daemon.cleanup()
 
 
-def test_threads_sharing_a_socket_send_and_receive_every_byte_once(nocfg: PrivateSmcd) -> None:
+def _run(daemon: PrivateSmcd, code: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """``code`` under ``smc-run OPTIONS`` against ``daemon``, unmodified."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
-    env = {**env, **nocfg.env, "PYTHONPATH": os.fspath(REPO)}
-    proc = subprocess.run([os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", SHARED],
-                          capture_output=True, text=True, env=env, timeout=170)  # fmt: skip
+    env = {**env, **daemon.env, "PYTHONPATH": os.fspath(REPO)}
+    argv = [os.fspath(SMC_RUN), *options, os.fspath(PYTHON), "-c", code]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=170)
+
+
+def test_threads_sharing_a_socket_send_and_receive_every_byte_once(nocfg: PrivateSmcd) -> None:
+    proc = _run(nocfg, SHARED, "-v")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [
         "modes smcd smcd",
@@ -183,10 +188,7 @@ def test_a_socket_closed_under_a_busy_thread_ends_its_calls_with_oserror(
     call ends with an ``OSError`` (EBADF, or the reset of an abort when data was unread), as on
     a closed TCP socket. Before, about half the rounds ended with a ``ValueError`` from the
     channel's released memory views, which a thread catching ``OSError`` dies of."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
-    env = {**env, **nocfg.env, "PYTHONPATH": os.fspath(REPO)}
-    proc = subprocess.run([os.fspath(SMC_RUN), os.fspath(PYTHON), "-c", CLOSE_RACE],
-                          capture_output=True, text=True, env=env, timeout=170)  # fmt: skip
+    proc = _run(nocfg, CLOSE_RACE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kinds, total = proc.stdout.rsplit("]", 1)
     assert int(total) == 120, proc.stdout
@@ -231,9 +233,6 @@ def test_shut_rd_wakes_a_reader_sleeping_beside_a_blocked_writer_at_once(
     """A writer blocked on a full ring sleeps on the peer link; a reader blocked beside it
     sleeps on the eventfd, which ``shutdown(SHUT_RD)`` kicks: the reader returns ``b""`` at
     once, not at its next look a second later."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMCD_", "SMC_RUN"))}
-    env = {**env, **nocfg.env, "PYTHONPATH": os.fspath(REPO)}
-    proc = subprocess.run([os.fspath(SMC_RUN), os.fspath(PYTHON), "-c", SHUT_RD_WAKE],
-                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    proc = _run(nocfg, SHUT_RD_WAKE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "reader b'' fast\nwriter OSError\n", proc.stderr[-3000:]
