@@ -54,6 +54,7 @@ importable from here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -351,10 +352,8 @@ class Channel(ChannelBase):
         if self._level:
             self._level_sync()
         elif self._efd_sleeper:
-            try:  # noqa: SIM105 (no contextlib import for one line)
+            with contextlib.suppress(OSError):
                 os.eventfd_write(self._rx_efd, 1)
-            except OSError:
-                pass
 
     # ---------------------------------------------------------------------------- receiving
 

@@ -913,12 +913,12 @@ class SmcSocket(_BaseSocket):
         if not view.nbytes:
             return 0
         deadline = self._deadline(flags)
-        return _in_turn(smc.channel.tx_lock, deadline, self._send_turn, smc, view, flags)
+        return _in_turn(smc.channel.tx_lock, deadline, self._send_turn, smc, view, flags, deadline)
 
-    def _send_turn(self, smc: _Smc, view: memoryview, flags: int) -> int:
+    def _send_turn(self, smc: _Smc, view: memoryview, flags: int, deadline: float | None) -> int:
         """The rest of :meth:`send`, this thread's turn to write (``tx_lock``)."""
         n = self._send_some(smc, view, flags)
-        if n < view.nbytes and self._deadline(flags) is None:
+        if n < view.nbytes and deadline is None:
             # Blocking: all of it, as Linux TCP's (and the kernel AF_SMC's) send returns only
             # once everything is queued, so a program that drops the count loses nothing; an
             # error after some of it is the next call's, as there (the count says what went).

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tests.vm.kernel import CACHE_DIR, KernelTree
 
-__all__ = ["PATCH", "KmodError", "RxeModule", "ensure_rxe_module"]
+__all__ = ["PATCH", "KmodError", "RxeModule", "ensure_rxe_module", "same_release"]
 
 PATCH = Path(__file__).resolve().parent / "rxe-smc-fixes.patch"
 RXE_DIR = "drivers/infiniband/sw/rxe"
