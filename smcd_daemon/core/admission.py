@@ -298,23 +298,32 @@ class Admission:
         """Handoff connections of ``uid`` that have sent no request yet."""
         return self._pending.get(uid, 0)
 
+    def at_pending_cap(self, uid: int) -> bool:
+        """Would :meth:`connect` refuse ``uid``'s next connection that sent nothing yet?"""
+        cap = self.limits.pending_per_user
+        return bool(cap) and self._pending.get(uid, 0) >= cap
+
     def _deny(self, refusal: Refusal, uid: int, held: int, limit: int, users: int = 1) -> Denied:
         self.refused[refusal] += 1
         return Denied(refusal, uid, held, limit, users)
 
-    def connect(self, uid: int) -> Denied | None:
-        """A handoff connection of ``uid`` was accepted: admitted (counted as held and pending)
-        or denied (then nothing is counted: answer and close it)."""
+    def connect(self, uid: int, *, spoke: bool = False) -> Denied | None:
+        """A handoff connection of ``uid`` was accepted: admitted (counted as held and, unless
+        its request already waits in it (``spoke``), as pending) or denied (then nothing is
+        counted: answer and close it). The pending cap is for connections that *sent* nothing:
+        a burst whose requests wait in the listen queue, unread only because the daemon has
+        not got to them, is no idle flood."""
         pending = self._pending.get(uid, 0)
         cap = self.limits.pending_per_user
-        if cap and pending >= cap:
+        if cap and pending >= cap and not spoke:
             return self._deny(Refusal.PENDING, uid, pending, cap)
         over = self.conns.check(uid)
         if over is not None:
             kind = Refusal.FULL if over.shared else Refusal.CONNECTIONS
             return self._deny(kind, uid, over.held, over.limit, over.users)
         self.conns.add(uid)
-        self._pending[uid] = pending + 1
+        if not spoke:
+            self._pending[uid] = pending + 1
         return None
 
     def first_request(self, uid: int) -> None:

@@ -215,3 +215,20 @@ def test_bad_limits_are_named(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({"limits": {key: value}})
     assert f"limits.{key}" in str(e.value.errors)
+
+
+def test_a_connection_whose_request_already_waits_is_admitted_past_the_pending_cap() -> None:
+    """The pending cap is for connections that sent nothing: one whose request waits unread (a
+    burst queued while the daemon was busy) is held, never pending, and never refused for it."""
+    adm = Admission(Limits(pending_per_user=2, connections_per_user=4))
+    assert adm.connect(ALICE) is None and adm.connect(ALICE) is None
+    assert adm.at_pending_cap(ALICE) and not adm.at_pending_cap(ROOT)
+    assert adm.connect(ALICE, spoke=True) is None
+    assert adm.pending(ALICE) == 2 and adm.held(ALICE) == 3
+    assert adm.refused[Refusal.PENDING] == 0
+    adm.disconnect(ALICE, pending=False)  # it left after its request: pending stays exact
+    assert adm.pending(ALICE) == 2 and adm.held(ALICE) == 2
+    assert adm.connect(ALICE, spoke=True) is None and adm.connect(ALICE, spoke=True) is None
+    denied = adm.connect(ALICE, spoke=True)  # the held cap still holds
+    assert denied is not None and denied.refusal is Refusal.CONNECTIONS
+    assert Admission(Limits(pending_per_user=0)).at_pending_cap(ALICE) is False

@@ -452,6 +452,56 @@ def test_a_pool_opened_before_use_gets_smcd_on_every_connection(
     assert _modes(serr) == [("accept", "smcd", None)] * POOL, serr[-3000:]
 
 
+def test_a_burst_queued_while_smcd_was_busy_is_no_idle_flood(nocfg: PrivateSmcd) -> None:
+    """Connections whose requests wait in the listen queue are not "connections that sent no
+    request yet": the daemon just has not read them. smcd stopped (as a busy or descheduled
+    daemon is) while a pool opens 150 connections, and one handoff connection of the same user
+    that really sent nothing: at its next turn smcd accepts the burst at once, and with the
+    idle one pending the 64th of the burst reached ``limits.pending_per_user`` (64) before any
+    request was read; that one and all 87 after it fell back to TCP (MAX_DMB), as in a CI run
+    on a busy machine."""
+    env = _env(nocfg)
+    assert nocfg.proc is not None
+    server = subprocess.Popen(_smc_run(env, WARM_POOL_SERVER), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)  # fmt: skip
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        idle.connect(os.fspath(nocfg.workdir / "handoff.sock"))
+        time.sleep(0.2)  # accepted: pending
+        os.kill(nocfg.proc.pid, signal.SIGSTOP)
+        try:
+            client = subprocess.Popen(_smc_run(env, WARM_POOL_CLIENT, port), env=env,
+                                      text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE)  # fmt: skip
+            deadline = time.monotonic() + 30
+            while _queued(nocfg) < POOL and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _queued(nocfg) >= POOL
+        finally:
+            os.kill(nocfg.proc.pid, signal.SIGCONT)
+        out, err = client.communicate(timeout=90)
+        sout, serr = server.communicate(timeout=30)
+    finally:
+        idle.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert client.returncode == 0 and out == "POOL OK\n", err[-3000:]
+    assert sout == f"SERVED {POOL}\n", serr[-3000:]
+    assert _modes(err) == [("connect", "smcd", None)] * POOL, err[-3000:]
+    assert _modes(serr) == [("accept", "smcd", None)] * POOL, serr[-3000:]
+
+
+def _queued(daemon: PrivateSmcd) -> int:
+    """Connections waiting in ``daemon``'s handoff listen queue (``ss``'s Recv-Q)."""
+    path = os.fspath(daemon.workdir / "handoff.sock")
+    out = subprocess.run(["ss", "-xlH", "src", path], capture_output=True, text=True).stdout
+    return int(out.split()[2]) if out.split() else 0
+
+
 LATE_ACCEPT_SERVER = r"""
 import socket, time
 lsock = socket.create_server(("127.0.0.1", 0))

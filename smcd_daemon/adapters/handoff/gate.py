@@ -4,7 +4,9 @@ of the server goes through.
 
 Where a request is refused, and how
     At accept: a connection of a user with ``limits.pending_per_user`` connections that sent no
-    request yet, or at their cap of handoff connections, or past their share of a full daemon,
+    request yet (unless its own request already waits in it: a burst queued while the loop was
+    busy is accepted in one turn, before any of its requests is read), or at their cap of
+    handoff connections, or past their share of a full daemon,
     is *parked*: the daemon keeps only its descriptor, watched for readability, and does no
     work for it until its client speaks or hangs up; then it answers FALLBACK (the library reads
     it as the answer to its request: its TCP socket is untouched) and closes it. Why not close
@@ -163,13 +165,20 @@ class Gate:
 
     # -- handoff connections ----------------------------------------------------------------
 
-    def admit(self, conn: socket.socket, cred: PeerCred | None) -> bool:
-        """A connection was accepted: True if it may be served; otherwise it was answered
-        with a FALLBACK and closed."""
+    def admit(self, conn: socket.socket, cred: PeerCred | None) -> bool | None:
+        """A connection was accepted: True if it may be served and waits for its first
+        request, None if it may be served and that request is already in it (then it is not
+        pending: :meth:`served` is not called); False if it was answered with a FALLBACK and
+        closed.
+
+        Whether a request waits is asked only at the pending cap (one ``recv`` peek): a burst
+        of connections that all spoke, queued while the loop was busy, is accepted whole in
+        one turn, and the first served of them have not had their requests read yet."""
         uid = cred.uid if cred is not None else 65534
-        denied = self.admission.connect(uid)
+        spoke = self.admission.at_pending_cap(uid) and _spoke(conn)
+        denied = self.admission.connect(uid, spoke=spoke)
         if denied is None:
-            return True
+            return None if spoke else True
         self.refuse(conn, cred, denied)
         return False
 
@@ -288,6 +297,16 @@ def _answer(conn: socket.socket, denied: Denied, srv: HandoffServer | None = Non
     finally:
         if not later:
             conn.close()
+
+
+def _spoke(conn: socket.socket) -> bool:
+    """Does a datagram (or the hang-up) wait in ``conn``? A peek without room for descriptors:
+    the kernel installs none (it drops its copies again)."""
+    try:
+        conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # EAGAIN: nothing yet; anything else: its task will find out
+        return False
+    return True
 
 
 def _malloc_trim() -> None:

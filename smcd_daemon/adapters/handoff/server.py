@@ -268,7 +268,8 @@ class HandoffServer:
         """Serve an accepted connection; False if it was refused (answered and closed)."""
         self.stats.connections += 1
         cred = peer_cred(conn)
-        if not self.gate.admit(conn, cred):
+        admitted = self.gate.admit(conn, cred)
+        if admitted is False:
             return False  # answered with a FALLBACK and closed: at a limit (see .gate)
         conn.setblocking(False)
         client = Client(conn, cred)
@@ -276,7 +277,8 @@ class HandoffServer:
             log.debug("handoff: connection from %s", client.label)
         self._clients.add(client)
         assert self.loop is not None
-        self.gate.served(client, self.loop.time())
+        if admitted:  # None: its request is already in it, so it is not pending
+            self.gate.served(client, self.loop.time())
         client.task = self.loop.create_task(self._client_loop(client), name="smcd-handoff")
         return True
 
