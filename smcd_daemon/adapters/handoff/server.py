@@ -215,7 +215,7 @@ class HandoffServer:
                     await client.task
         for client in list(self._clients):  # those watched past their first request
             with contextlib.suppress(Exception):
-                self.end_client(client)
+                self.end_client(client, daemon_stops=True)
         self.deferred.run()
         self.channels.close()
         self.publisher.close()
@@ -425,8 +425,14 @@ class HandoffServer:
                    client.label, type(e).__name__, e)  # fmt: skip
         log.debug("handoff: the unexpected error", exc_info=e)
 
-    def end_client(self, client: Client) -> None:
-        """The connection is over: release what it held and close it (exactly once)."""
+    def end_client(self, client: Client, *, daemon_stops: bool = False) -> None:
+        """The connection is over: release what it held and close it (exactly once).
+
+        ``daemon_stops``: the daemon, not the application, ends it. A channel half then goes on
+        without us, exactly as after a SIGKILL: its ledger entry stays in the journal for the
+        next daemon to verify its RESUME by, and its DMBs are not released, because the pool
+        zeroes a released buffer (a hole punched into the memfd): that would wipe the rings
+        under two applications still moving data through them."""
         if client.watched_done:
             return
         client.watched_done = True
@@ -439,7 +445,9 @@ class HandoffServer:
             if client.listener is not None:
                 lst, client.listener = client.listener, None
                 self.registrations.unlisten(lst)
-            if client.half is not None:
+            if client.half is not None and daemon_stops:
+                client.half = None
+            elif client.half is not None:
                 half, client.half = client.half, None
                 self.journal.append_later(self.ledger.drop(half.conn_id))
                 if half.local_token is None:  # a resumed half: its DMB was charged, not held
