@@ -232,3 +232,43 @@ def test_a_consumer_cursor_ahead_of_the_producer_aborts_the_connection(
     log = smcd.wait_log("the consumer cursor is ahead of the producer", since=mark)
     assert "the consumer cursor is ahead of the producer" in log, log[-2000:]
     _close(server, client)
+
+
+def test_a_stopping_daemon_lets_a_handshake_under_way_end(smcd: Smcd, apps: Any) -> None:
+    """SIGTERM (``systemctl restart``) while a client half waits for its peer's answer to its
+    Proposal: the daemon stops accepting, lets the handshake end (here the peer declines) and
+    only then exits, so the application gets its TCP connection after the Decline both ends
+    processed. Cancelled mid-CLC as before, the handshake left the application a stream with
+    someone else's Proposal in it: an error (connection reset)."""
+    from smcd_daemon.wire.clc_decline import Decline
+    from smcd_daemon.wire.reasons import DeclineReason
+
+    raw = socket.create_server(("127.0.0.1", 0))
+    client = apps("client")
+    stopper = threading.Thread(target=smcd.stop)
+    try:
+        client.send("connect", port=raw.getsockname()[1])
+        conn, _ = raw.accept()
+        conn.settimeout(10)
+        proposal = conn.recv(4096)
+        while len(proposal) < 7 or len(proposal) < int.from_bytes(proposal[5:7], "big"):
+            proposal += conn.recv(4096)
+        assert proposal.startswith(EYE), proposal
+        stopper.start()
+        time.sleep(0.3)  # SIGTERM delivered: the daemon stops accepting, the handshake waits
+        assert smcd.alive(), "the daemon exited with a handshake under way"
+        conn.sendall(Decline(int(DeclineReason.NOSMCDEV)).encode() + b"after the decline")
+        got = client.reply(timeout=10)
+        stopper.join(10)
+        assert not smcd.alive()
+        assert got.get("mode") == "tcp", got
+        assert got["fallback"]["peer_diagnosis"] == int(DeclineReason.NOSMCDEV), got
+        assert client.call("recv", n=17) == {"data": "after the decline"}
+        assert client.call("sendbytes", data="plain tcp") == {"ok": True}
+        assert conn.recv(100) == b"plain tcp"
+        conn.close()
+    finally:
+        stopper.join(10)
+        raw.close()
+        if not smcd.alive():
+            smcd.start()

@@ -161,3 +161,22 @@ def test_a_client_half_that_will_not_propose_after_all_unmarks_the_pair() -> Non
         assert await arr.wait_server(KEY, 1.0) is not None
 
     asyncio.run(run())
+
+
+def test_a_stopping_daemon_sends_its_waiting_client_halves_back_at_once() -> None:
+    """No server half will be served once the daemon stops: a client half waiting for one falls
+    back now, before any CLC byte, instead of holding the stop up for ``clc_wait``."""
+
+    async def run() -> None:
+        arr = Arrivals()
+        waiting = asyncio.create_task(arr.wait_server(KEY, 30.0))
+        other: PairKey = ((A, 40001, 0), (A, 8080, 0))
+        arr.server_in(other)  # a server half peeking: not a waiting client half
+        await asyncio.sleep(0.05)
+        assert arr.stopping("smcd is stopping") == 1
+        why = await asyncio.wait_for(waiting, 1.0)
+        assert why is not None and "fell back" in why and "smcd is stopping" in why
+        assert await arr.wait_server(other, 0.1) is None  # the peeking one still pairs
+        assert arr.stopping("again") == 0
+
+    asyncio.run(run())

@@ -151,6 +151,17 @@ class Arrivals:
         entry.heard.append(fut)
         return fut
 
+    def stopping(self, why: str) -> int:
+        """The daemon stops: every client half waiting for its server half falls back now,
+        before any CLC byte (the server half would never be served). How many were told."""
+        told = 0
+        for entry in self._entries.values():
+            if entry.state is ServerHalf.ABSENT and entry.waiters:
+                entry.state, entry.why = ServerHalf.FELL_BACK, why
+                told += sum(not fut.done() for fut in entry.waiters)
+                self._wake(entry)
+        return told
+
     # -- the client half --------------------------------------------------------------------
 
     async def wait_server(self, key: PairKey, timeout: float) -> str | None:

@@ -75,6 +75,9 @@ behind (a full queue fails a timed connect at once)."""
 ACCEPT_PAUSE = 0.1
 """Seconds accepting pauses when the daemon is out of descriptors (the listening socket stays
 readable: without a pause the loop would spin on it)."""
+STOP_GRACE = 2.0
+"""Seconds a stopping daemon gives the handshakes under way to end (they take milliseconds; a
+server half may wait up to ``timeouts.proposal_wait`` for a Proposal)."""
 
 
 _HANDOFFS = (m.Connect, m.Accept)
@@ -177,8 +180,9 @@ class HandoffServer:
 
     def backlogged(self) -> bool:
         """Do connections wait in the listen queue (not accepted yet)? A handoff may be among
-        them, e.g. the client half a server half waits for."""
-        return bool(self._queue_poll.poll(0))
+        them, e.g. the client half a server half waits for. Never once stopping: they will
+        not be served by this daemon."""
+        return not self._stopped and bool(self._queue_poll.poll(0))
 
     def publish(self) -> None:
         """Add every pending connection to the registry now."""
@@ -197,13 +201,18 @@ class HandoffServer:
         self.loop.add_reader(self._sock.fileno(), self._on_accept)
         self.gate.start(self.loop)
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop serving. Handshakes under way get up to ``grace`` seconds to end (cancelled
+        mid-CLC, one would leave its TCP connection reset: an error for its application);
+        connections that sent no request yet, and client halves still waiting for their server
+        half, give up at once (their streams are untouched: TCP). Live channels go on."""
         if self._stopped:
             return
         self._stopped = True
         if self.loop is not None:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self._sock.fileno())
+        await self._drain(grace)
         self.observer.stop()
         self.gate.stop()
         for client in list(self._clients):
@@ -228,6 +237,19 @@ class HandoffServer:
                 if os.lstat(self.path).st_ino == self._inode:
                     os.unlink(self.path)
         self._sock.close()
+
+    async def _drain(self, grace: float) -> None:
+        """The first part of :meth:`stop` (accepting has stopped)."""
+        for client in list(self.gate.pending):  # nothing read: their requests stay unread
+            if client.task is not None:
+                client.task.cancel()
+        self.handshakes.arrivals.stopping("smcd is stopping")
+        busy = [c.task for c in self._clients if c.task is not None and not c.task.done()]
+        if busy and grace > 0:
+            _done, late = await asyncio.wait(busy, timeout=grace)
+            if late:
+                log.warning("handoff: %d handshakes did not end within %g s of the stop; "
+                            "their connections are reset", len(late), grace)  # fmt: skip
 
     # -- accepting --------------------------------------------------------------------------------
 
