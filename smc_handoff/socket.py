@@ -161,6 +161,17 @@ def connection_at(fd: int) -> SmcSocket | None:
     return None
 
 
+def _connection_at_eventfd(fd: int) -> SmcSocket | None:
+    """The live SMC connection whose ``fileno()`` is ``fd`` or a copy of it (the kernel's
+    eventfd id tells), None if there is none."""
+    from smc_handoff.child_relay import connection_of  # imports this module
+
+    sock = connection_at(fd)
+    if sock is not None and sock._smc is not None and not sock._smc.channel.closed:
+        return sock
+    return connection_of(fd)
+
+
 def _index(sock: SmcSocket, smc: _Smc) -> None:
     smc.fd = smc.channel.event_fd()
     by_fileno.setdefault(smc.fd, []).append(weakref.ref(sock))
@@ -376,22 +387,47 @@ class SmcSocket(_BaseSocket):
         proto: int = -1,
         fileno: int | None = None,
     ) -> None:
+        twin_of: SmcSocket | None = None
         try:
             super().__init__(family, type, proto, fileno)
         except OSError as e:
             if fileno is None or e.errno != errno.ENOTSOCK or not is_eventfd(fileno):
                 raise
-            raise OSError(
-                errno.ENOTSOCK,
-                f"descriptor {fileno} is an eventfd, not a socket: an SMC connection's fileno() "
-                "is its channel's eventfd (for select/selectors), so socket(fileno=...) and "
-                "socket.fromfd() cannot rebuild it; use the socket object itself",
-            ) from None
+            twin_of = _connection_at_eventfd(fileno)
+            if twin_of is None:
+                raise OSError(
+                    errno.ENOTSOCK,
+                    f"descriptor {fileno} is an eventfd, not a socket, and no SMC connection "
+                    "of this process has it as its fileno()",
+                ) from None
+            tcp = os.dup(_BaseSocket.fileno(twin_of))
+            try:
+                super().__init__(family, type, proto, tcp)
+            except BaseException:
+                os.close(tcp)
+                raise
         self._smc = None
         self._fallback = None
         self._gone = False  # really closed (``_closed`` is set while makefile()s keep it open)
         self._clc_guard = False  # a server half on TCP: its first read answers a late Proposal
         self._pending = None
+        if twin_of is not None:
+            self._twin(twin_of, given=fileno)  # type: ignore[arg-type]
+
+    def _twin(self, sock: SmcSocket, given: int) -> None:
+        """``socket(fileno=sock.fileno())`` or ``socket.fromfd(sock.fileno(), ...)`` (the number,
+        or a copy of it, is the channel's eventfd): this object becomes another socket for
+        ``sock``'s connection, as :meth:`dup` makes one. A copy of the eventfd given to us is
+        closed (we own it, and the twin reaches the channel through ``sock``'s); the channel's
+        own number is left alone."""
+        smc = sock._smc
+        assert smc is not None
+        self._smc = smc
+        smc.holders += 1
+        _index(self, smc)
+        self.settimeout(sock.gettimeout())
+        if given != smc.fd:
+            os.close(given)
 
     # -- what it is ----------------------------------------------------------------------------
 

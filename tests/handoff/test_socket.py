@@ -677,12 +677,21 @@ def test_smc_mode_and_notices(daemon: MiniDaemon) -> None:
     with pytest.raises(OSError) as info:
         a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", 0))])
     assert info.value.errno == errno.EOPNOTSUPP
-    fd = os.dup(a.fileno())  # what socket.fromfd() does, then builds the class (smc-run's)
+    # socket.fromfd(): a copy of fileno() (the channel's eventfd), then the class (smc-run's)
+    twin = SmcSocket(socket.AF_INET, socket.SOCK_STREAM, 0, os.dup(a.fileno()))
+    assert twin.mode == a.mode and twin.fileno() == a.fileno()  # another socket, one connection
+    twin.sendall(b"twin")
+    assert recv_exactly(b, 4) == b"twin"
+    twin.close()  # the connection goes on with ``a``: no notice, no hang-up
+    same = SmcSocket(socket.AF_INET, socket.SOCK_STREAM, 0, a.fileno())  # the number itself
+    same.close()
+    assert a.fileno() >= 0 and not a._smc.channel.closed  # type: ignore[union-attr]
+    stray = os.eventfd(0)  # an eventfd that is no connection's: still not a socket
     try:
         with pytest.raises(OSError) as info:
-            SmcSocket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+            SmcSocket(socket.AF_INET, socket.SOCK_STREAM, 0, stray)
     finally:
-        os.close(fd)
+        os.close(stray)
     assert info.value.errno == errno.ENOTSOCK and "eventfd" in str(info.value)
     a.sendall(b"x" * 100)
     assert recv_exactly(b, 100) == b"x" * 100
