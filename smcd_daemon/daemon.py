@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
             "private bus it starts itself), with no peer detection (config/smcd.toml turns it "
             "on). Signals: SIGHUP reloads the configuration "
             "(reloadable keys apply at once, the others are reported as needing a restart); "
-            "SIGTERM/SIGINT stop cleanly. Exit status: 0 after a clean stop, 1 on a "
+            "SIGTERM/SIGINT stop cleanly: handshakes under way end first (up to 2 s), and "
+            "established SMC-D connections go on without the daemon (a restarted one resumes "
+            "watching them). Exit status: 0 after a clean stop, 1 on a "
             "configuration or start-up error."
         ),
     )
