@@ -349,7 +349,7 @@ class Daemon:
         self.store = StateStore(cfg.state_dir / STATE_FILE_NAME)
         self.inventory = DeviceInventory(loopback_enabled=cfg.modes.smcd_loopback)
         self.registry = Registry()
-        systemd.log_fallbacks(self.registry)  # one journal line per fallback, SMC_REASON=...
+        systemd.log_fallbacks(self.registry)  # journal lines with SMC_REASON=... (rate-limited)
         # Loaded in _start, where a state file that cannot be read is a start-up error.
         self.pnet: PnetTable | None = None
         self.eids: EidTable | None = None

@@ -24,11 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["RateLimitedLog"]
+__all__ = ["FALLBACK_LOG_BURST", "RateLimitedLog", "flush_all"]
+
+FALLBACK_LOG_BURST = 100
+"""Log lines per fallback reason a minute (each of the two: the handoff's, with the reason in
+words, and ``smcd.fallback``'s, with the journal fields); the rest are counted and the count
+logged, while ``smcctl stats`` and ``smcctl monitor`` see every one. A peer without SMC, or a
+misconfiguration, makes every connection fall back: a line each at thousands a second would
+cost journald more than smcd's own work, and past journald's rate limit its suppression would
+take smcd's warnings with it."""
 
 
 @dataclass
@@ -60,12 +69,21 @@ class RateLimitedLog:
         self.max_keys = max_keys
         self._clock = clock
         self._windows: OrderedDict[str, _Window] = OrderedDict()
+        _instances.add(self)
         self.suppressed_total = 0
         """Messages suppressed since this object was made (for statistics and tests)."""
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> bool:
+    def log(
+        self,
+        level: int,
+        key: str,
+        msg: str,
+        *args: object,
+        extra: Mapping[str, object] | None = None,
+    ) -> bool:
         """Log ``msg % args`` at ``level`` unless ``key`` used up its burst in this window;
-        True if it was logged. Suppressed messages cost a dict lookup, not a format."""
+        True if it was logged. Suppressed messages cost a dict lookup, not a format.
+        ``extra``: the record's extra attributes (structured journal fields)."""
         if not self.logger.isEnabledFor(level):
             return False
         now = self._clock()
@@ -87,14 +105,16 @@ class RateLimitedLog:
             self.suppressed_total += 1
             return False
         window.emitted += 1
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, extra=extra)
         return True
 
     def debug(self, key: str, msg: str, *args: object) -> bool:
         return self.log(logging.DEBUG, key, msg, *args)
 
-    def info(self, key: str, msg: str, *args: object) -> bool:
-        return self.log(logging.INFO, key, msg, *args)
+    def info(
+        self, key: str, msg: str, *args: object, extra: Mapping[str, object] | None = None
+    ) -> bool:
+        return self.log(logging.INFO, key, msg, *args, extra=extra)
 
     def warning(self, key: str, msg: str, *args: object) -> bool:
         return self.log(logging.WARNING, key, msg, *args)
@@ -133,3 +153,13 @@ class RateLimitedLog:
                 "" if window.suppressed == 1 else "s",
                 span,
             )
+
+
+_instances: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+
+
+def flush_all(*, force: bool = False) -> int:
+    """:meth:`RateLimitedLog.flush` on every instance (the daemon's periodic tick and its
+    shutdown call this, so that each kind's suppressed count is reported even when that kind
+    is never logged again)."""
+    return sum(rl.flush(force=force) for rl in list(_instances))

@@ -337,14 +337,19 @@ def fallback_fields(event: RegistryEvent) -> dict[str, str] | None:
 
 
 def log_fallbacks(registry: Registry) -> Callable[[], None]:
-    """Log every fallback once (INFO, logger ``smcd.fallback``) with :func:`fallback_fields` as
-    structured journal fields; returns the unsubscribe function."""
+    """Log each fallback once (INFO, logger ``smcd.fallback``) with :func:`fallback_fields` as
+    structured journal fields, at most :data:`FALLBACK_LOG_BURST` a minute per reason and
+    role; returns the unsubscribe function."""
+    from smcd_daemon.adapters.ratelimit import FALLBACK_LOG_BURST, RateLimitedLog
+
+    lines = RateLimitedLog(fallback_log, burst=FALLBACK_LOG_BURST, period=60.0)
 
     def on_event(event: RegistryEvent) -> None:
         fields = fallback_fields(event)
         if fields is None:
             return
-        fallback_log.info(
+        lines.info(
+            f"fallbacks {fields['SMC_REASON']} as {fields['SMC_ROLE'].lower()}",
             "connection %s (%s, uid %s, peer %s) fell back to TCP: %s (%s, peer diagnosis %s)",
             fields["SMC_CONN_ID"],
             fields["SMC_ROLE"].lower(),
@@ -356,4 +361,4 @@ def log_fallbacks(registry: Registry) -> Callable[[], None]:
             extra=fields,
         )
 
-    return registry.subscribe(on_event)
+    return registry.subscribe(on_event)  # its suppressed counts: ratelimit.flush_all

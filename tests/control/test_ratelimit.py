@@ -112,3 +112,40 @@ def test_bad_arguments_are_refused() -> None:
     for kw in ({"burst": 0}, {"period": 0.0}, {"max_keys": 0}):
         with pytest.raises(ValueError):
             RateLimitedLog(log, **kw)  # type: ignore[arg-type]
+
+
+def test_fallback_lines_are_limited_per_reason_and_role_and_the_rest_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer without SMC makes every connection fall back: one journal line each would flood
+    journald (and its rate limit would then drop smcd's warnings too). Each reason and role
+    gets FALLBACK_LOG_BURST lines a minute with their fields; the rest are counted."""
+    from smcd_daemon.adapters.ratelimit import FALLBACK_LOG_BURST, flush_all
+    from smcd_daemon.adapters.systemd import log_fallbacks
+    from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, Registry
+    from smcd_daemon.wire.reasons import DeclineReason
+
+    registry = Registry()
+    unsubscribe = log_fallbacks(registry)
+    caplog.set_level(logging.INFO, "smcd.fallback")
+    peernosmc, nodev = int(DeclineReason.PEERNOSMC), int(DeclineReason.NOSMCDEV)
+    n = FALLBACK_LOG_BURST + 50
+    try:
+        for i in range(1, n + 1):
+            registry.add_connection(Connection(i, ConnRole.CLIENT, ConnMode.TCP,
+                                               fallback_reason=peernosmc))  # fmt: skip
+        registry.add_connection(Connection(n + 1, ConnRole.SERVER, ConnMode.TCP,
+                                           fallback_reason=peernosmc))  # fmt: skip
+        registry.add_connection(Connection(n + 2, ConnRole.CLIENT, ConnMode.TCP,
+                                           fallback_reason=nodev))  # fmt: skip
+        flush_all(force=True)
+    finally:
+        unsubscribe()
+    records = [r for r in caplog.records if r.name == "smcd.fallback"]
+    lines = [r for r in records if "fell back to TCP" in r.getMessage()]
+    assert len(lines) == FALLBACK_LOG_BURST + 2  # the server's and NOSMCDEV's have their own
+    assert all(getattr(r, "SMC_REASON", "").startswith("SMC_CLC_DECL_") for r in lines)
+    assert [r.getMessage() for r in records if "suppressed" in r.getMessage()] == [
+        "fallbacks SMC_CLC_DECL_PEERNOSMC as client: 50 similar messages suppressed in the "
+        "last 0 s"
+    ]

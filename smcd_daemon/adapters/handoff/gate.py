@@ -46,7 +46,7 @@ import time
 from typing import TYPE_CHECKING
 
 from smc_handoff import messages as m
-from smcd_daemon.adapters.ratelimit import RateLimitedLog
+from smcd_daemon.adapters.ratelimit import RateLimitedLog, flush_all
 from smcd_daemon.core.admission import Admission, Denied, Limits
 from smcd_daemon.wire.reasons import DeclineReason, LocalReason
 
@@ -125,7 +125,7 @@ class Gate:
                 loop.remove_reader(self._park_ep.fileno())
             self._park_ep.close()
             self._park_ep = None
-        warn.flush(force=True)
+        flush_all(force=True)
 
     def _tick(self) -> None:
         loop = self._srv.loop
@@ -143,7 +143,7 @@ class Gate:
             self._srv.journal.flush()  # hang-ups' lines no channel's line took along
             self._ticks += 1
             if self._ticks % _FLUSH_EVERY == 0:
-                warn.flush()
+                flush_all()
                 self._srv.journal.compact()
         finally:
             self._due = now + TICK

@@ -57,6 +57,7 @@ from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
 from smcd_daemon.adapters.netns_view import dnat_target, local_in
+from smcd_daemon.adapters.ratelimit import FALLBACK_LOG_BURST, RateLimitedLog
 from smcd_daemon.adapters.tcp_identity import NetnsId, connection_identity, netns_name
 from smcd_daemon.core.handoff_pairs import IpAddress, Listener, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
@@ -88,6 +89,9 @@ SmcrProvider = Callable[[], "SmcrService | None"]
 """Gives the SMC-R service when SMC-R may be tried now (modes on, an ACTIVE RDMA port), else
 None; the daemon builds the service on first use."""
 
+fallback_lines = RateLimitedLog(log, burst=FALLBACK_LOG_BURST, period=60.0)
+"""Each fallback's line with its reason in words, at most :data:`FALLBACK_LOG_BURST` a minute
+per reason (see there)."""
 _NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
 """What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
 _MAX_DMB = int(DeclineReason.MAX_DMB)
@@ -634,7 +638,8 @@ class Handshakes:
         )
         srv.publisher.add(conn)  # counts the fallback in the stats once published
         srv.publisher.linger(conn.conn_id)
-        log.info(
+        fallback_lines.info(
+            f"stays-on-tcp {reason_name(code)}",
             "handoff: %s stays on TCP: %s (0x%08x%s): %s",
             client.label,
             reason_name(code),
