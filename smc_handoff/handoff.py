@@ -740,7 +740,10 @@ class ChannelState:
 class Registration:
     """A listening socket's LISTEN registration with smcd, renewed if the daemon comes back."""
 
-    RETRY_S = 1.0
+    RETRY_S = 0.1
+    """Seconds between tries while the daemon is away (tried at an ``accept()``). A try costs
+    a ``connect()`` that fails at once; the longer the wait, the more connections fall back
+    after the daemon came back (a second of them after each restart at 1 s)."""
 
     def __init__(self, listener: _socket.socket) -> None:
         self._listener = listener
@@ -773,7 +776,7 @@ class Registration:
     @property
     def active(self) -> bool:
         """True while the daemon holds the registration; one poll(0) per call, and a retry at
-        most every second once the daemon dropped it (e.g. restarted)."""
+        most every :data:`RETRY_S` once the daemon dropped it (e.g. restarted)."""
         with self._lock:
             ctl = self._control
             # HUP (nothing is ever sent after OK): the daemon let go

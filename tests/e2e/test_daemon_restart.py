@@ -107,3 +107,36 @@ def test_resume_refuses_an_smcr_channel(smcd: Smcd) -> None:
     assert accepted.recv(1) == b"x"
     for s in (tcp, accepted, listener):
         s.close()
+
+
+def test_a_listener_registers_again_soon_after_the_daemon_is_back(smcd: Smcd, apps: Any) -> None:
+    """A listener's registration dies with the daemon and is renewed at an ``accept()``. One
+    tried while the daemon could not be reached fails, and the next try used to wait a whole
+    second: every connection of that second fell back (~200 after a restart in a busy probe).
+    Now tries come every 0.1 s (a try is a ``connect()`` that fails at once). Here the
+    unreachable daemon is a restarted one whose socket is briefly out of sight, so that the
+    failed try comes right before it is back."""
+    server, client = apps("server"), apps("client")
+    port = server.call("listen")["port"]
+
+    def one() -> tuple[str, str]:
+        server.send("accept")
+        c = client.call("connect", port=port)
+        s = server.reply()
+        assert client.call("close") == {"ok": True} and server.call("close") == {"ok": True}
+        return c["mode"], s["mode"]
+
+    smcd.stop()
+    smcd.start()  # the listener's registration went with the old daemon
+    away = smcd.handoff.with_name("away.sock")
+    os.rename(smcd.handoff, away)
+    try:
+        assert one() == ("tcp", "tcp")  # its accept() tried to register again, in vain
+    finally:
+        os.rename(away, smcd.handoff)
+    time.sleep(0.3)
+    # The first accept() registers the listener again (its own connection finds it or not,
+    # as its client half or the registration reaches smcd first); the next connection is SMC.
+    # With a second between tries, both accept()s came too early and both stayed on TCP.
+    one()
+    assert one() == ("smcd", "smcd")
