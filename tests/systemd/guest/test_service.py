@@ -486,6 +486,21 @@ def test_reload_applies_a_change_and_keeps_the_old_on_an_invalid_file() -> None:
 # -- watchdog -------------------------------------------------------------------------------------
 
 
+def test_systemctl_restart_keeps_channels_moving(app: App) -> None:
+    """``systemctl restart smcd`` stops the daemon in order (SIGTERM): a live connection goes
+    on through the restart, and the new daemon finds the journal to verify it by. The stop
+    used to release every channel half as if its application had hung up, which zeroes the
+    DMBs under the rings: the next echo failed on zeroed cursors."""
+    c = app.ask(op="connect", port=app.ask(op="listen")["port"])
+    assert c["mode"] == "smcd", c
+    app.ask(op="echo", id=c["id"], size=300_000)
+    pid = restart_smcd()
+    app.ask(op="echo", id=c["id"], size=300_000)  # raises on an error or a differing byte
+    logged = sh("journalctl", "--no-pager", f"_PID={pid}")
+    assert "channel halves of the previous daemon may resume" in logged, logged[-2000:]
+    app.ask(op="close", id=c["id"])
+
+
 def test_watchdog_restarts_a_frozen_daemon_and_channels_keep_moving(app: App) -> None:
     port = app.ask(op="listen")["port"]
     c = app.ask(op="connect", port=port)
