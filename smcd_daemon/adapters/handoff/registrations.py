@@ -39,7 +39,7 @@ from smcd_daemon.core.registry import (
 from smcd_daemon.transport.loopback import PairingError, endpoint
 from smcd_daemon.wire.clc import HOSTNAME_LEN
 
-from .common import Client, Refused, clip, log
+from .common import Client, Refused, clip
 from .gate import warn
 from .ledger_io import resume_evidence
 
@@ -102,8 +102,9 @@ class Registrations:
         srv.detection.keep(lst.ident, mark)
         client.listener = lst
         srv.stats.listeners += 1
-        log.info("handoff: %s registered listener %d on %s port %d", client.label, lst.ident,
-                 ip, port)  # fmt: skip
+        # A line each (rate-limited: a server may open a listener per transfer, as FTP does)
+        warn.info("listener-registered", "handoff: %s registered listener %d on %s port %d",
+                  client.label, lst.ident, ip, port)  # fmt: skip
         return srv.send(client, m.Ok(lst.ident))
 
     def unlisten(self, lst: Listener) -> None:
@@ -112,7 +113,8 @@ class Registrations:
         srv.listeners.remove(lst)
         srv.detection.forget(lst.ident)
         srv.publisher.remove(lst.conn_id)
-        log.info("handoff: listener %d on port %d unregistered", lst.ident, lst.port)
+        warn.info("listener-unregistered", "handoff: listener %d on port %d unregistered",
+                  lst.ident, lst.port)  # fmt: skip
 
     # -- RESUME -------------------------------------------------------------------------------
 
@@ -192,7 +194,9 @@ class Registrations:
         client.half = Half(conn_id, role, client.uid, None, None, req.rx_size, req.tx_size)
         srv.journal.append(srv.ledger.add(record, replaces=req.conn_id))
         srv.stats.resumes += 1
-        log.info("handoff: %s resumed connection %d as %d", client.label, req.conn_id, conn_id)
+        # rate-limited: after a restart every live channel resumes within seconds
+        warn.info("resumed", "handoff: %s resumed connection %d as %d", client.label,
+                  req.conn_id, conn_id)  # fmt: skip
         return srv.send(client, m.Ok(conn_id))
 
     def _loopback_lgr(self) -> int:
