@@ -52,7 +52,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff.socket import SmcSocket, is_eventfd
+from smc_handoff.socket import SmcSocket, connection_at, is_eventfd
 
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
@@ -82,8 +82,11 @@ def connection_of(obj: Any) -> SmcSocket | None:
         return None
     if not is_eventfd(obj):
         return None
-    # Rare (an eventfd given as a child's stream): look through the live sockets rather than
-    # keep an index on every handoff's path.
+    sock = connection_at(obj)  # the number itself: the index
+    if sock is not None and sock._smc is not None and not sock._smc.channel.closed:
+        return sock
+    # Rare (a copy of the number, ``os.dup``): look through the live sockets rather than keep
+    # an index by eventfd id on every handoff's path.
     live = []
     for o in gc.get_objects():
         if isinstance(o, SmcSocket):

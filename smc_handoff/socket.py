@@ -161,17 +161,6 @@ def connection_at(fd: int) -> SmcSocket | None:
     return None
 
 
-def _connection_at_eventfd(fd: int) -> SmcSocket | None:
-    """The live SMC connection whose ``fileno()`` is ``fd`` or a copy of it (the kernel's
-    eventfd id tells), None if there is none."""
-    from smc_handoff.child_relay import connection_of  # imports this module
-
-    sock = connection_at(fd)
-    if sock is not None and sock._smc is not None and not sock._smc.channel.closed:
-        return sock
-    return connection_of(fd)
-
-
 def _index(sock: SmcSocket, smc: _Smc) -> None:
     smc.fd = smc.channel.event_fd()
     by_fileno.setdefault(smc.fd, []).append(weakref.ref(sock))
@@ -393,7 +382,9 @@ class SmcSocket(_BaseSocket):
         except OSError as e:
             if fileno is None or e.errno != errno.ENOTSOCK or not is_eventfd(fileno):
                 raise
-            twin_of = _connection_at_eventfd(fileno)
+            from smc_handoff.child_relay import connection_of  # (imports this module)
+
+            twin_of = connection_of(fileno)  # the number, or a copy of it (its eventfd id)
             if twin_of is None:
                 raise OSError(
                     errno.ENOTSOCK,
@@ -412,22 +403,23 @@ class SmcSocket(_BaseSocket):
         self._clc_guard = False  # a server half on TCP: its first read answers a late Proposal
         self._pending = None
         if twin_of is not None:
-            self._twin(twin_of, given=fileno)  # type: ignore[arg-type]
+            # ``socket(fileno=sock.fileno())`` or ``socket.fromfd(sock.fileno(), ...)``: another
+            # socket for that connection, as dup() makes. A copy of the eventfd given to us is
+            # ours to close (the channel's own number is left alone).
+            self._join(twin_of)
+            assert self._smc is not None and fileno is not None
+            if fileno != self._smc.fd:
+                os.close(fileno)
 
-    def _twin(self, sock: SmcSocket, given: int) -> None:
-        """``socket(fileno=sock.fileno())`` or ``socket.fromfd(sock.fileno(), ...)`` (the number,
-        or a copy of it, is the channel's eventfd): this object becomes another socket for
-        ``sock``'s connection, as :meth:`dup` makes one. A copy of the eventfd given to us is
-        closed (we own it, and the twin reaches the channel through ``sock``'s); the channel's
-        own number is left alone."""
+    def _join(self, sock: SmcSocket) -> None:
+        """Become another socket object for ``sock``'s SMC connection (this object holds its
+        own copy of the TCP descriptor): the connection ends with the last of them to close."""
         smc = sock._smc
         assert smc is not None
         self._smc = smc
         smc.holders += 1
         _index(self, smc)
         self.settimeout(sock.gettimeout())
-        if given != smc.fd:
-            os.close(given)
 
     # -- what it is ----------------------------------------------------------------------------
 
@@ -1207,10 +1199,7 @@ class SmcSocket(_BaseSocket):
         except BaseException:
             os.close(fd)
             raise
-        twin._smc = smc
-        smc.holders += 1
-        _index(twin, smc)
-        twin.settimeout(self.gettimeout())
+        twin._join(self)
         return twin
 
     def accept(self) -> tuple[_socket.socket, Any]:
