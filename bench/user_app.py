@@ -14,7 +14,8 @@ Servers:
                                    against the sender's pattern (the light per-chunk work)
   echo PROCS                       PROCS processes accept and echo each connection until EOF
                                    (runs until killed)
-  hold N                           accept N connections, keep them open, exit at their EOF
+  hold N                           accept N connections, print ``HELD``, keep them open, exit
+                                   at their EOF
 Clients:
   send PORT WARMUP TOTAL WRITE     WRITE-byte sendall()s; bytes/s from the first timed write to
                                    the sink's ack
@@ -177,6 +178,7 @@ def echo(procs: int) -> None:
 def hold(n: int) -> None:
     lsock = listen()
     conns = [lsock.accept()[0] for _ in range(n)]
+    print("HELD", flush=True)
     for conn in conns:
         conn.recv(1)
         conn.close()

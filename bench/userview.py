@@ -353,7 +353,13 @@ class UserView:
         client = self.app(kind, "open", port, n)
         if client.line(timeout=TIMEOUT) != "OPEN":
             raise RuntimeError("the client did not open its connections")
-        time.sleep(0.3)  # the accepting side's last handoffs and the daemon's bookkeeping
+        # The client's connect() returns before smcd answered (the first send waits for it),
+        # and the server accepts one connection per handshake: measured before the server has
+        # accepted them all, the rest are not there yet, and closed at the end before they
+        # were, they fell back (CLOSED_UNANSWERED) and turned the row "mixed".
+        if server.line(timeout=TIMEOUT) != "HELD":
+            raise RuntimeError("the server did not accept all the connections")
+        time.sleep(0.3)  # the daemon's deferred bookkeeping
         pids = {"server": server.pid, "client": client.pid}
         if kind == "smc" and self.smcd_pid is not None:
             pids["smcd"] = self.smcd_pid
