@@ -783,6 +783,21 @@ class Channel(ChannelBase):
         system call (for a loop that woke up and wants to know which way to look)."""
         return self._rx_ready() or self._link_dead
 
+    def readable_now(self) -> bool:
+        """For a poll that found ``fileno()`` readable (smc-run's ``select``, ``poll`` and
+        ``epoll``): would a read return now (data, EOF, an abort, the peer gone)? When not,
+        the eventfd's count was stale: when a peer's publish races our arm, its kick and our
+        own level sync both write the eventfd, and the kick may land after the data it
+        announced was read. Level mode then drains and re-arms, as an empty read does; the
+        caller drops the report (a blocking read after it would have waited for the next
+        data, which a select loop's peer may be waiting on itself)."""
+        self._check_open()
+        if self._rx_ready() or self._check_link():
+            return True
+        if self._level:
+            self._level_sync()
+        return False
+
     @property
     def tx_room(self) -> bool:
         """A send would accept a byte or raise (as :meth:`writable`, without a system call)."""

@@ -39,6 +39,20 @@ real poll would have slept on. An empty answer before the timeout, which program
 timeout, came from such a kick once a writer filled the ring again between two of the peer's
 kicks.
 
+A readable report of an SMC connection is checked before it is passed on: when a peer's publish
+races this end's request for a kick, both the peer's kick and this end's own level sync write
+the eventfd, and the kick may land after the data it announced was read. Such a stale report is
+dropped and the eventfd cleared (:meth:`SmcSocket.poll_readable`), and the poll sleeps on, so a
+blocking ``recv`` after ``select`` never waits, as on TCP. A one-shot ``epoll`` registration
+keeps it (the kernel disarmed it with that event; a program that uses one reads until
+``EAGAIN``).
+
+``select.select`` also takes descriptors numbered ``FD_SETSIZE`` (1024) and above: it polls
+them (the kernel's ``poll``, with ``select``'s meaning of readable, writable and exceptional)
+where the real call raises ``ValueError``. Each SMC connection holds seven descriptors where a TCP
+socket is one, so a program that calls ``select`` on ~150 connections would otherwise fail under
+smc-run where it serves ~1,000 on TCP.
+
 Not translated: ``POLLRDHUP`` asked without ``POLLIN`` is never reported; and an edge-triggered
 ``EPOLLIN`` comes when data arrives at an empty ring (the eventfd's kick), not at each arrival as
 TCP's does, which a reader that reads until ``EAGAIN`` (as epoll(7) asks) does not see.
@@ -47,6 +61,8 @@ TCP's does, which a reader that reads until ``EAGAIN`` (as epoll(7) asks) does n
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import select as _select
 import sys
 import time
@@ -67,6 +83,70 @@ _real_poll = _select.poll
 _real_epoll = _select.epoll
 _POLL_DEFAULT = _select.POLLIN | _select.POLLPRI | _select.POLLOUT
 _EPOLL_DEFAULT = _select.EPOLLIN | _select.EPOLLPRI | _select.EPOLLOUT
+_SELECT_SETS = (
+    _select.POLLIN | _select.POLLRDNORM | _select.POLLRDBAND | _select.POLLHUP | _select.POLLERR,
+    _select.POLLOUT | _select.POLLWRNORM | _select.POLLWRBAND | _select.POLLERR,
+    _select.POLLPRI,
+)
+"""What the kernel's select counts as readable, writable and exceptional of a descriptor's
+poll mask (``POLLIN_SET``, ``POLLOUT_SET``, ``POLLEX_SET`` in fs/select.c)."""
+
+
+def _select_any(
+    rlist: Iterable[Any], wlist: Iterable[Any], xlist: Iterable[Any], timeout: Any
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """The real ``select``; past ``FD_SETSIZE`` (its ``ValueError``), the same through poll."""
+    rlist, wlist, xlist = list(rlist), list(wlist), list(xlist)
+    try:
+        return _real_select(rlist, wlist, xlist, timeout)
+    except ValueError as e:
+        if "out of range" not in str(e):
+            raise
+    return _select_by_poll(rlist, wlist, xlist, timeout)
+
+
+def _select_by_poll(
+    rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: Any
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """``select`` without its descriptor limit: one poll of every descriptor, the answer
+    mapped back to the objects given, in their order, as ``select`` returns them."""
+    ms = None if timeout is None else _select_ms(timeout)
+    lists = (rlist, wlist, xlist)
+    fds = [[_fd(obj) for obj in objs] for objs in lists]
+    masks: dict[int, int] = {}
+    for row, bits in zip(fds, (_IN, _OUT, _select.POLLPRI), strict=True):
+        for fd in row:
+            if fd < 0:
+                raise ValueError(f"file descriptor cannot be a negative integer ({fd})")
+            masks[fd] = masks.get(fd, 0) | bits
+    p = _real_poll()
+    for fd, mask in masks.items():
+        p.register(fd, mask)
+    got = dict(p.poll(ms))
+    if any(ev & _select.POLLNVAL for ev in got.values()):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    r, w, x = (
+        [obj for obj, fd in zip(objs, row, strict=True) if got.get(fd, 0) & want]
+        for objs, row, want in zip(lists, fds, _SELECT_SETS, strict=True)
+    )
+    return r, w, x
+
+
+def _select_ms(timeout: Any) -> int | None:
+    """``select``'s timeout (seconds) as poll's (milliseconds, rounded up; None: forever),
+    refused as ``select`` refuses it."""
+    try:
+        if isinstance(timeout, (str, bytes, bytearray)):
+            raise TypeError
+        secs = float(timeout)
+    except (TypeError, ValueError):
+        raise TypeError("timeout must be a float or None") from None
+    if secs != secs:
+        raise ValueError("Invalid value NaN (not a number)")
+    if secs < 0:
+        raise ValueError("timeout must be non-negative")
+    ms = secs * 1000
+    return None if ms >= 2**31 - 1 else int(ms) + (ms > int(ms))
 
 
 def _deadline(timeout: Any, scale: float = 1.0) -> float | None:
@@ -82,6 +162,13 @@ def _deadline(timeout: Any, scale: float = 1.0) -> float | None:
 def _left(deadline: float | None) -> float | None:
     """Seconds of the poll left (None: no end), for the next real poll after a spare kick."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _readable(fd: int) -> bool:
+    """Does a readable report for ``fd`` hold? Always for what is not an SMC connection's
+    ``fileno()``; for one, see :meth:`SmcSocket.poll_readable` (stale reports are cleared)."""
+    sock = connection_at(fd)
+    return sock is None or sock.poll_readable()
 
 
 def _fd(obj: Any) -> int:
@@ -142,16 +229,14 @@ class _Select:
         timeout: float | None = None,
     ) -> tuple[list[Any], list[Any], list[Any]]:
         if not by_fileno:
-            return _real_select(rlist, wlist, xlist, timeout)
-        wlist = list(wlist)
+            return _select_any(rlist, wlist, xlist, timeout)
+        # lists: polled again after a spare kick or a stale report
+        rlist, wlist, xlist = list(rlist), list(wlist), list(xlist)
         smc = [
             (obj, fd, sock) for obj in wlist if (sock := connection_at(fd := _fd(obj))) is not None
         ]
-        if not smc:
-            return _real_select(rlist, wlist, xlist, timeout)
         ours = {id(obj) for obj, _, _ in smc}
-        rest = [obj for obj in wlist if id(obj) not in ours]
-        rlist, xlist = list(rlist), list(xlist)  # polled again after a spare kick
+        rest = [obj for obj in wlist if id(obj) not in ours] if smc else wlist
         deadline, wait = _deadline(timeout), timeout
         while True:
             rooms = _Rooms()
@@ -159,17 +244,20 @@ class _Select:
                 rooms.ask(fd, sock)
             links = rooms.links
             try:
-                r, w, x = _real_select([*rlist, *links], rest, xlist, 0 if rooms.ready else wait)
+                r, w, x = _select_any([*rlist, *links], rest, xlist, 0 if rooms.ready else wait)
             finally:
                 room = rooms.done()
             woke = bool(r)
             if links:
                 hidden = set(links)
                 r = [obj for obj in r if not (isinstance(obj, int) and obj in hidden)]
+            if r:
+                r = [obj for obj in r if _readable(_fd(obj))]
             w.extend(obj for obj, fd, _ in smc if fd in room)
             if r or w or x or not woke or (wait := _left(deadline)) == 0:
                 return r, w, x
-            # a spare kick on a link, no room: nothing to report, sleep on as select would
+            # a spare kick on a link, no room, or a stale report: nothing to report, sleep on
+            # as select would
 
 
 smc_select = _Select()
@@ -188,6 +276,7 @@ class _Translated:
         self._rdhup: set[int] = set()  # fds whose mask asks POLLRDHUP with POLLIN
         self._owed: dict[int, bool] = {}  # edge-triggered fd → is an EPOLLOUT edge owed?
         self._shot: dict[int, bool] = {}  # one-shot fd → still armed?
+        self._oneshot: set[int] = set()  # every one-shot fd (_shot: those asking POLLOUT)
 
     def register(self, fd: Any, eventmask: int | None = None) -> None:
         mask = self._DEFAULT_MASK if eventmask is None else eventmask
@@ -220,6 +309,10 @@ class _Translated:
             self._shot[fd] = True
         else:
             self._shot.pop(fd, None)
+        if mask & _ONESHOT:
+            self._oneshot.add(fd)
+        else:
+            self._oneshot.discard(fd)
 
     def _forget(self, fd: int) -> None:
         self._out.pop(fd, None)
@@ -227,6 +320,7 @@ class _Translated:
         self._rdhup.discard(fd)
         self._owed.pop(fd, None)
         self._shot.pop(fd, None)
+        self._oneshot.discard(fd)
 
     def _hup(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``POLLRDHUP`` added to the readable events of connections that asked for it and
@@ -242,6 +336,21 @@ class _Translated:
             ):
                 ev |= _RDHUP
             out.append((fd, ev))
+        return out
+
+    def _fresh(self, events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``events`` without the stale readable reports of SMC connections (see
+        :meth:`SmcSocket.poll_readable`). A one-shot registration keeps its report: the kernel
+        disarmed it with this event, and a report dropped would leave it disarmed for good."""
+        out = events
+        for i, (fd, ev) in enumerate(events):
+            if ev & _IN and fd not in self._oneshot and not _readable(fd):
+                if out is events:
+                    out = events[:i]
+                if ev & ~_IN:
+                    out.append((fd, ev & ~_IN))
+            elif out is not events:
+                out.append((fd, ev))
         return out
 
     def _set(self, fd: int, mask: int) -> None:
@@ -334,7 +443,13 @@ class SmcPoll(_Translated):
             asked = self._rooms() if self._out and by_fileno else None
             if asked is None:
                 passed: list[tuple[int, int]] = self._p.poll(wait)
-                return self._hup(passed) if self._rdhup and by_fileno else passed
+                if not (passed and by_fileno):
+                    return passed
+                kept, left = self._fresh(passed), _left(deadline)
+                if kept or left == 0:
+                    return self._hup(kept) if self._rdhup else kept
+                wait = None if left is None else left * 1000  # stale reports only: sleep on
+                continue
             rooms, links = asked, asked.links
             for link in links:
                 self._p.register(link, _IN)
@@ -345,11 +460,11 @@ class SmcPoll(_Translated):
                     with contextlib.suppress(KeyError):
                         self._p.unregister(link)
                 room = rooms.done()  # also when the poll raised: no request is left armed
-            out = self._hup(self._merge(events, room, set(links)))
+            out = self._hup(self._fresh(self._merge(events, room, set(links))))
             left = _left(deadline)
             if out or not events or left == 0:
                 return out
-            wait = None if left is None else left * 1000  # a spare kick: sleep on
+            wait = None if left is None else left * 1000  # a spare kick or stale: sleep on
 
 
 class SmcEpoll(_Translated):
@@ -380,6 +495,7 @@ class SmcEpoll(_Translated):
         self._rdhup.clear()
         self._owed.clear()
         self._shot.clear()
+        self._oneshot.clear()
 
     def __enter__(self) -> SmcEpoll:
         self._p.__enter__()
@@ -397,7 +513,13 @@ class SmcEpoll(_Translated):
             asked = self._rooms() if self._out and by_fileno else None
             if asked is None:
                 passed: list[tuple[int, int]] = self._p.poll(wait, maxevents)
-                return self._hup(passed) if self._rdhup and by_fileno else passed
+                if not (passed and by_fileno):
+                    return passed
+                kept, left = self._fresh(passed), _left(deadline)
+                if kept or left == 0:
+                    return self._hup(kept) if self._rdhup else kept
+                wait = -1 if left is None else left  # stale reports only: sleep on
+                continue
             rooms, links = asked, asked.links
             hidden: set[int] = set()
             try:
@@ -414,11 +536,11 @@ class SmcEpoll(_Translated):
                     with contextlib.suppress(OSError):
                         self._p.unregister(link)
                 room = rooms.done()  # also when the poll raised: no request is left armed
-            out = self._hup(self._merge(events, room, hidden))
+            out = self._hup(self._fresh(self._merge(events, room, hidden)))
             left = _left(deadline)
             if out or not events or left == 0:
                 return self._edges(out if maxevents <= 0 else out[:maxevents])
-            wait = -1 if left is None else left  # a spare kick: sleep on
+            wait = -1 if left is None else left  # a spare kick or stale: sleep on
 
 
 def install(select: Any = _select, selectors: Any | None = None) -> None:

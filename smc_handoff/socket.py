@@ -864,6 +864,20 @@ class SmcSocket(_BaseSocket):
         except OSError:
             return True
 
+    def poll_readable(self) -> bool:
+        """For smc-run's ``select``, ``poll`` and ``epoll``, after the eventfd polled readable:
+        does that hold (a read would not wait)? False for a stale report, which is then
+        cleared (:meth:`Channel.readable_now`). A copy another process claimed answers as its
+        eventfd."""
+        smc = self._smc
+        if smc is None:
+            return True
+        ch = smc.channel
+        try:
+            return ch.claimed_elsewhere or ch.readable_now()
+        except (OSError, ValueError):  # closed meanwhile: the read raises at once
+            return True
+
     def poll_now(self) -> tuple[bool, bool]:
         """For smc-run's edge-triggered and one-shot ``epoll``: (would a read not wait, would a
         send not wait) now, with nothing armed. A copy another process claimed answers as its

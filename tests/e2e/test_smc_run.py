@@ -90,3 +90,71 @@ def test_http_server_and_client_over_smc(smcd: Smcd, tmp_path: Path) -> None:
             client.communicate()
         _, err = server.communicate()
     assert re.search(r"accept .*: smcd", err), err  # smc-run -v: the server side was upgraded
+
+
+SELECT_SERVER = r"""
+import select, socket
+ls = socket.socket()
+ls.bind(("127.0.0.1", 0))
+ls.listen(512)
+print("port", ls.getsockname()[1], flush=True)
+conns = []
+while True:
+    r, _, _ = select.select([ls] + conns, [], [])
+    for s in r:
+        if s is ls:
+            conns.append(ls.accept()[0])
+        else:
+            data = s.recv(4096)  # blocking: select said it would not wait
+            if data:
+                s.sendall(data)
+            else:
+                conns.remove(s)
+                s.close()
+"""
+
+SELECT_CLIENT = r"""
+import socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+conns = []
+for i in range(n):
+    c = socket.create_connection(("127.0.0.1", port), timeout=20)
+    conns.append(c)
+    c.sendall(b"hello %d" % i)
+    assert c.recv(100) == b"hello %d" % i, i
+for i, c in enumerate(conns):
+    c.sendall(b"again %d" % i)
+    assert c.recv(100) == b"again %d" % i, i
+print("echoed", n, max(c.fileno() for c in conns), flush=True)
+"""
+
+
+def test_a_select_loop_serves_hundreds_of_connections(smcd: Smcd) -> None:
+    """A plain ``select.select`` server with blocking sockets, 300 connections from one
+    client. Each SMC connection holds seven descriptors, so its ``fileno()`` passed 1024 at the
+    ~146th and select raised ``filedescriptor out of range`` (TCP serves ~1,000); and a peer's
+    late kick could leave a connection polled readable with nothing to read, so that the
+    server's blocking ``recv`` waited for data the client would only send once answered."""
+    env = {**REPO_ENV, "SMCD_HANDOFF_SOCKET": os.fspath(smcd.handoff), "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", SELECT_SERVER],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        port = int(_line(server, r"port (\d+)").group(1))
+        for _ in range(2):
+            client = subprocess.run(
+                [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", SELECT_CLIENT, str(port),
+                 "300"],
+                capture_output=True, text=True, env=env, timeout=60,
+            )  # fmt: skip
+            assert client.returncode == 0, client.stderr[-2000:]
+            echoed = re.search(r"echoed 300 (\d+)", client.stdout)
+            assert echoed and int(echoed.group(1)) > 1024, client.stdout
+            modes = re.findall(r"connect .*: (\w+)", client.stderr)
+            assert modes == ["smcd"] * 300, client.stderr[-2000:]
+    finally:
+        server.kill()
+        _, err = server.communicate()
+    assert len(re.findall(r"accept .*: smcd", err)) == 600, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]

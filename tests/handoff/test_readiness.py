@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import resource
 import select
 import selectors
 import socket
@@ -548,3 +550,95 @@ def test_rdhup_once_the_peer_shut_writing_as_tcp_reports_it(pair: Any, how: str)
     finally:
         if how == "epoll":
             p.close()
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_late_kick_for_data_already_read_is_no_readable_report(pair: Any, how: str) -> None:
+    """When the peer's publish races this end's arm, its kick and this end's own level sync
+    both write the eventfd, and the kick can land after the data it announced was read: the
+    eventfd then polled readable with nothing to read, and a select loop's blocking ``recv``
+    waited for data its peer was waiting to be answered before sending (a hang seen once in
+    four runs of a 300-connection select server). The late kick is made by hand here, after
+    the data was read; on TCP (the oracle) the same steps just poll not readable."""
+    a, b = pair
+    b.sendall(b"ping")
+    assert readable(a, how, 5.0)
+    assert a.recv(10) == b"ping"
+    if isinstance(a, SmcSocket):
+        os.eventfd_write(a.fileno(), 1)  # the peer's late kick
+    assert not readable(a, how, 0.2)
+    # it is cleared, not only hidden: the eventfd itself is quiet again...
+    real = readiness._real_poll()
+    real.register(a.fileno(), select.POLLIN)
+    assert real.poll(0) == []
+    # ...and the next data is reported as ever, before the wait's timeout
+    t = later(0.2, lambda: b.sendall(b"pong"))
+    t0 = time.monotonic()
+    assert readable(a, how, 10.0)
+    assert time.monotonic() - t0 < 5
+    t.join()
+    assert a.recv(10) == b"pong"
+
+
+def readable(sock: Any, how: str, timeout: float) -> bool:
+    """Does ``how``, asked for reading only, report ``sock`` readable within ``timeout``?"""
+    fd = sock.fileno()
+    if how == "select":
+        r, _, _ = select.select([sock], [], [], timeout)
+        return r == [sock]
+    if how in ("poll", "epoll"):
+        p: Any = select.poll() if how == "poll" else select.epoll()
+        p.register(fd, select.POLLIN)
+        events = p.poll(timeout * 1000 if how == "poll" else timeout)
+        if how == "epoll":
+            p.close()
+        return events == [(fd, select.POLLIN)]
+    with getattr(selectors, how)() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    return [(key.fileobj, ev) for key, ev in ready] == [(sock, selectors.EVENT_READ)]
+
+
+def test_select_takes_descriptors_past_fd_setsize(daemon: MiniDaemon, wrapped: None) -> None:
+    """Each SMC connection holds seven descriptors, so a select loop over ~150 of them met
+    ``filedescriptor out of range in select()`` where it serves ~1,000 on TCP. Past
+    ``FD_SETSIZE`` the wrapper polls instead, with select's meaning of each set."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2100:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    a, b = wrapped_pair()
+    rd, wr = os.pipe()
+    moved = []
+    try:
+        high_rd = fcntl.fcntl(rd, fcntl.F_DUPFD_CLOEXEC, 1500)
+        high_wr = fcntl.fcntl(wr, fcntl.F_DUPFD_CLOEXEC, 1600)
+        high_a = fcntl.fcntl(a.fileno(), fcntl.F_DUPFD_CLOEXEC, 1700)  # a copy: not a connection
+        moved += [high_rd, high_wr, high_a]
+        with pytest.raises(ValueError, match="out of range"):
+            readiness._real_select([high_rd], [], [], 0)
+        assert select.select([high_rd], [high_wr], [], 0) == ([], [high_wr], [])
+        os.write(wr, b"x")
+        assert select.select([high_rd, rd], [], [high_rd], 0) == ([high_rd, rd], [], [])
+        assert select.select([high_rd], [], [], None) == ([high_rd], [], [])
+        # a connection among them is read as ever (its data), and polled for room
+        assert select.select([a, high_a], [a], [], 0) == ([], [a], [])
+        b.sendall(b"data")
+        deadline = time.monotonic() + 5
+        while not select.select([a, high_a], [], [], 0.5)[0]:
+            assert time.monotonic() < deadline
+        # refusals in select's own words
+        for bad, kind in (("x", TypeError), (-1, ValueError), (float("nan"), ValueError)):
+            with pytest.raises(kind) as ours:
+                select.select([high_rd], [], [], bad)
+            with pytest.raises(kind) as theirs:
+                readiness._real_select([], [], [], bad)
+            assert str(ours.value) == str(theirs.value)
+        os.close(moved.pop())  # a closed descriptor: EBADF, as select says it
+        with pytest.raises(OSError) as err:
+            select.select([high_a], [], [], 0)
+        assert err.value.errno == errno.EBADF
+    finally:
+        for fd in (rd, wr, *moved):
+            os.close(fd)
+        a.close()
+        b.close()
