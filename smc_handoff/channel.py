@@ -790,12 +790,13 @@ class Channel(ChannelBase):
         own level sync both write the eventfd, and the kick may land after the data it
         announced was read. Level mode then drains and re-arms, as an empty read does; the
         caller drops the report (a blocking read after it would have waited for the next
-        data, which a select loop's peer may be waiting on itself)."""
+        data, which a select loop's peer may be waiting on itself). Outside level mode the
+        report stands: the eventfd is then a kick channel of the library's own (an event
+        loop's transport drains it and asks for space on it), not "data pending"."""
         self._check_open()
-        if self._rx_ready() or self._check_link():
+        if not self._level or self._rx_ready() or self._check_link():
             return True
-        if self._level:
-            self._level_sync()
+        self._level_sync()
         return False
 
     @property
