@@ -285,8 +285,12 @@ class Channel(ChannelBase):
             if size and not self._pflags & WRITE_BLOCKED:
                 self._set_pflags(self._pflags | WRITE_BLOCKED)
             self._tx_run = 0
+            if size:
+                self.tx_nospace = True
             return 0
         n = size if size < space else space
+        if n < size:
+            self.tx_nospace = True
         ring = self._tx_ring
         hdr = self._tx_hdr
         # Publish piece by piece: the reader copies out the first piece while we copy in the

@@ -301,6 +301,9 @@ class ChannelBase:
         self._tx_laps = 0
         self._tx_wbits = 0
         self._tx_run = 0
+        self.tx_nospace = False
+        """A send found too little room for all of it (TCP's ``SOCK_NOSPACE``): the room that
+        comes back after it is an ``EPOLLOUT`` edge (smc-run's epoll clears it when it looks)."""
         # Our flags, published with our consumer cursor in the peer's header (word 2).
         self._pflags = 0
         self._csflags = 0

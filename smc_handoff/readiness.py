@@ -24,7 +24,9 @@ reset, or this end shut reading, as TCP's poll reports it.
 
 An edge-triggered ``epoll`` registration (``EPOLLET``) gets ``EPOLLOUT`` as TCP's edges come:
 once when it is registered or modified with room, then once each time room comes back after a
-poll found none (TCP's ``SOCK_NOSPACE`` and write-space wake-up); and each of its events carries
+send found too little of it or a poll found none (TCP's ``SOCK_NOSPACE`` and write-space
+wake-up: the edge is owed even when the room came back before the next poll); and each of its
+events carries
 all of its readiness, as a TCP socket's edge does. Without this, an edge-triggered writer that
 met a full ring waited for an edge of the eventfd, which only the peer's *sending* makes: a
 writer whose peer only reads hung.
@@ -377,6 +379,10 @@ class _Translated:
                 self._real[fd] = mask & ~_OUT
             rooms = rooms or _Rooms()
             owed = self._owed.get(fd)
+            if owed is False and sock.poll_nospace():
+                # A send met a full ring since the last edge: the next room is one, even when
+                # it came back before this poll (TCP's SOCK_NOSPACE and write-space wake-up).
+                owed = self._owed[fd] = True
             if rooms.ask(fd, sock, owed is not False) and owed is not None:
                 self._owed[fd] = True  # full: the next room is an edge
         return rooms

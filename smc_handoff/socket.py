@@ -878,6 +878,16 @@ class SmcSocket(_BaseSocket):
         except (OSError, ValueError):  # closed meanwhile: the read raises at once
             return True
 
+    def poll_nospace(self) -> bool:
+        """For smc-run's edge-triggered ``epoll``: did a send find too little room for all of
+        it since the last look (TCP's ``SOCK_NOSPACE``)? Then the room that comes back is an
+        ``EPOLLOUT`` edge, even if it came back before the program polled again. Clears it."""
+        smc = self._smc
+        if smc is None or not smc.channel.tx_nospace:
+            return False
+        smc.channel.tx_nospace = False
+        return True
+
     def poll_now(self) -> tuple[bool, bool]:
         """For smc-run's edge-triggered and one-shot ``epoll``: (would a read not wait, would a
         send not wait) now, with nothing armed. A copy another process claimed answers as its

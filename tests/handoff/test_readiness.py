@@ -344,6 +344,27 @@ def test_edge_triggered_epollout_comes_once_and_again_when_room_comes_back(pair:
         assert ep.poll(0.1) == []
 
 
+def test_an_epollout_edge_is_owed_when_room_came_back_before_the_poll(pair: Any) -> None:
+    """``EPOLLET``: a send met a full connection after the last edge, and the peer made room
+    before the program polled again. TCP owes the edge (``SOCK_NOSPACE`` set by the send, the
+    write-space wake-up by the reads); the wrapper owed one only after a poll of its own had
+    found no room, so here it never came, and an ET echo server (reading and writing until
+    EAGAIN) left 3 of 64 clients waiting for the rest of their echo."""
+    a, b = pair
+    a.setblocking(False)
+    with select.epoll() as ep:
+        ep.register(a.fileno(), select.EPOLLOUT | select.EPOLLET)
+        assert ep.poll(0.1) == [(a.fileno(), select.EPOLLOUT)]  # the first edge
+        n = fill(a)  # sends until EAGAIN, no poll in between
+        a.setblocking(False)
+        drain(b, n)  # room again before the program's next poll
+        assert ep.poll(10.0) == [(a.fileno(), select.EPOLLOUT)]
+        assert ep.poll(0.1) == []  # once
+        a.send(b"x" * 1000)  # all of it taken: no new edge owed
+        b.recv(1000)
+        assert ep.poll(0.1) == []
+
+
 def test_one_shot_epoll_reports_one_event_until_modified(pair: Any) -> None:
     """``EPOLLONESHOT``: one event with all of the readiness, room included, then nothing until
     a modify, whether the wrapper saw room or the real registration saw data. Unwrapped, the
