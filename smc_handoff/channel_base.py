@@ -91,6 +91,10 @@ BUF_TYPES = (bytearray, memoryview)
 PIECE = 64 << 10
 #: Longest single nap after the first (the peer link and the eventfd wake us before that).
 _SLEEP_CAP_S = 1.0
+LEVEL_FDS: set[int] = set()
+"""The eventfds of this process's channels in level mode (``fileno()``): what smc-run's polls
+check a readable report of (:meth:`Channel.readable_now`); any other descriptor's report is
+passed on at the cost of one set lookup. A stale number (closed, reused) only costs a check."""
 
 
 class ChannelUnsupportedError(OSError):
@@ -429,6 +433,7 @@ class ChannelBase:
         self._level = True
         self._level_wanted = False
         self._rx_fast = False  # level mode keeps the eventfd in step: long way
+        LEVEL_FDS.add(self._rx_efd)
         link_watcher().add(self._link_fd, self._rx_efd)
         self._level_sync()
 
@@ -446,6 +451,7 @@ class ChannelBase:
         if not self._level or self._closed:
             return
         self._level = False
+        LEVEL_FDS.discard(self._rx_efd)
         forget_link(self._link_fd)
         self._disarm(self._wd)
         self._drain(False)
@@ -521,6 +527,7 @@ class ChannelBase:
         _live.discard(self)
         if self._level:
             link_watcher().remove(self._link_fd)
+            LEVEL_FDS.discard(self._rx_efd)
         self._link.close()  # the peer sees POLLHUP
         for fd in (self._rx_efd, self._tx_efd):
             with contextlib.suppress(OSError):

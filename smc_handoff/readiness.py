@@ -71,6 +71,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from smc_handoff.channel_base import LEVEL_FDS
 from smc_handoff.socket import SmcSocket, by_fileno, connection_at
 
 __all__ = ["SmcEpoll", "SmcPoll", "install", "smc_select"]
@@ -168,7 +169,10 @@ def _left(deadline: float | None) -> float | None:
 
 def _readable(fd: int) -> bool:
     """Does a readable report for ``fd`` hold? Always for what is not an SMC connection's
-    ``fileno()``; for one, see :meth:`SmcSocket.poll_readable` (stale reports are cleared)."""
+    ``fileno()`` in level mode (an event loop's transport drains its own eventfd); for one, see
+    :meth:`SmcSocket.poll_readable` (stale reports are cleared)."""
+    if fd not in LEVEL_FDS:
+        return True
     sock = connection_at(fd)
     return sock is None or sock.poll_readable()
 
