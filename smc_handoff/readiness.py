@@ -26,10 +26,9 @@ An edge-triggered ``epoll`` registration (``EPOLLET``) gets ``EPOLLOUT`` as TCP'
 once when it is registered or modified with room, then once each time room comes back after a
 send found too little of it or a poll found none (TCP's ``SOCK_NOSPACE`` and write-space
 wake-up: the edge is owed even when the room came back before the next poll); and each of its
-events carries
-all of its readiness, as a TCP socket's edge does. Without this, an edge-triggered writer that
-met a full ring waited for an edge of the eventfd, which only the peer's *sending* makes: a
-writer whose peer only reads hung.
+events carries all of its readiness, as a TCP socket's edge does. Without this, an
+edge-triggered writer that met a full ring waited for an edge of the eventfd, which only the
+peer's *sending* makes: a writer whose peer only reads hung.
 
 A one-shot registration (``EPOLLONESHOT``) reports one event, room included, then nothing until
 the program modifies it: the wrapper disarms the real registration when it reports room itself,
