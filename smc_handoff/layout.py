@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import sys
 from _thread import allocate_lock as _new_lock
 
@@ -154,7 +153,7 @@ else:  # big-endian (s390x): byte 0 is the most significant
 
 _TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "s390x"}
 #: True where plain stores/loads give the ordering the ring relies on (see module docstring).
-ORDERING_OK = platform.machine().lower() in _TSO_MACHINES
+ORDERING_OK = os.uname().machine.lower() in _TSO_MACHINES  # (platform.machine(), unimported)
 
 #: The sleeper's first nap after publishing WAIT: a net under the Dekker race, which both sides
 #: fence (see above); it counts what it catches (``missed_wakeups``).

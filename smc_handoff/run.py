@@ -36,18 +36,22 @@ import importlib.abc
 import importlib.util
 import logging
 import os
-import shutil
 import socket as _socket
 import struct
 import sys
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from smc_handoff import messages, peer_option, readiness
+from smc_handoff import peer_option, readiness
 from smc_handoff import socket as _smc_socket
 from smc_handoff.handoff import Registration
+from smc_handoff.launch import (  # main: `python -m smc_handoff.run` is smc-run too
+    ENV_ACTIVE,
+    ENV_DEBUG,
+    ENV_VERBOSE,
+    main,
+)
 from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd
 
 __all__ = [
@@ -59,42 +63,6 @@ __all__ = [
     "report_tcp",
     "take_deferred",
 ]
-
-BOOT_DIR = Path(__file__).resolve().parent / "_boot"
-ENV_ACTIVE = "SMC_RUN"
-ENV_DEBUG = "SMC_RUN_DEBUG"
-ENV_VERBOSE = "SMC_RUN_VERBOSE"
-
-USAGE = """\
-usage: smc-run [-d] [-v] PROGRAM [ARG...]
-       smc-run [-d] [-v] -m MODULE [ARG...]
-       smc-run [-d] [-v] -c COMMAND [ARG...]
-"""
-
-HELP = (
-    USAGE
-    + """
-Run a Python program with its TCP stream sockets upgraded to SMC through smcd, on both the
-client side (connect) and the server side (listen/accept), like smc-tools' smc_run.
-
-  PROGRAM       a Python script, or a command that starts Python (python3, a console
-                script...); child Python processes are upgraded too
-  -m MODULE     run a library module as a script (python -m MODULE)
-  -c COMMAND    run a Python command string (python -c COMMAND)
-  -d, --debug   log every handoff step of the smc_handoff library to stderr
-  -v, --verbose print one line per connection to stderr: its mode (smcd, smcr or tcp) and,
-                on tcp, the fallback reason (a client's line comes at its first use after
-                connect(), when smcd's answer is read)
-  -h, --help    show this help and exit
-
-Without a running smcd the program runs unchanged on plain TCP. asyncio programs are upgraded
-too (asyncio's own event loop; not uvloop, not TLS). Environment: SMCD_HANDOFF_SOCKET (the
-daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for the daemon's answer),
-SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default: the
-daemon's), SMC_RUN_BUSY_POLL=0 (an event loop does not spin on its SMC connections before it
-sleeps; default: it spins briefly, as SO_BUSY_POLL does).
-"""
-)
 
 _log = logging.getLogger("smc_handoff.run")
 _verbose = False
@@ -517,81 +485,6 @@ def install_from_env() -> None:
     """What the bootstrap calls: install when smc-run set ``SMC_RUN=1``."""
     if os.environ.get(ENV_ACTIVE) == "1":
         install(verbose=os.environ.get(ENV_VERBOSE) == "1", debug=os.environ.get(ENV_DEBUG) == "1")
-
-
-def _is_python_script(path: str) -> bool:
-    if path.endswith((".py", ".pyw")):
-        return True
-    try:
-        with open(path, "rb") as f:
-            first = f.readline(256)
-    except OSError:
-        return False
-    return first.startswith(b"#!") and b"python" in first and not os.access(path, os.X_OK)
-
-
-def command_line(argv: list[str]) -> tuple[list[str], bool, bool] | str:
-    """Parse smc-run's own options: (the command to exec, verbose, debug) or an error text."""
-    verbose = debug = False
-    args = list(argv)
-    while args and args[0].startswith("-"):
-        opt = args.pop(0)
-        if opt == "--":
-            break
-        if opt in ("-v", "--verbose"):
-            verbose = True
-        elif opt in ("-d", "--debug"):
-            debug = True
-        elif opt in ("-h", "--help"):
-            return "help"
-        elif opt in ("-m", "-c"):
-            if not args:
-                return f"smc-run: {opt} needs an argument"
-            return [sys.executable, opt, *args], verbose, debug
-        elif opt.startswith(("-m", "-c")) and len(opt) > 2:  # -mhttp.server, as python allows
-            return [sys.executable, opt[:2], opt[2:], *args], verbose, debug
-        elif len(opt) > 2 and not opt.startswith("--") and set(opt[1:]) <= {"v", "d"}:
-            verbose = verbose or "v" in opt
-            debug = debug or "d" in opt
-        else:
-            return f"smc-run: unknown option {opt}"
-    if not args:
-        return "smc-run: no program given"
-    program = args[0]
-    if os.path.isfile(program) and _is_python_script(program):
-        return [sys.executable, *args], verbose, debug
-    if shutil.which(program) is None:
-        return f"smc-run: {program}: command not found"
-    return args, verbose, debug
-
-
-def main(argv: list[str] | None = None) -> int:
-    parsed = command_line(sys.argv[1:] if argv is None else argv)
-    if parsed == "help":
-        sys.stdout.write(HELP)
-        return 0
-    if isinstance(parsed, str):
-        sys.stderr.write(f"{parsed}\n{USAGE}")
-        return 2
-    command, verbose, debug = parsed
-    env = dict(os.environ)
-    env[ENV_ACTIVE] = "1"
-    env[ENV_VERBOSE] = "1" if verbose else "0"
-    env[ENV_DEBUG] = "1" if debug else "0"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT_DIR), env.get("PYTHONPATH", "")) if p)
-    if debug:
-        where = messages.handoff_socket_candidates(env)
-        print(
-            f"smc-run: exec {command} (handoff socket: {', '.join(map(str, where))})",
-            file=sys.stderr,
-        )
-    sys.stdout.flush()
-    try:
-        os.execvpe(command[0], command, env)
-    except OSError as e:
-        print(f"smc-run: {command[0]}: {e.strerror}", file=sys.stderr)
-        return 127
-    return 0  # not reached
 
 
 if __name__ == "__main__":

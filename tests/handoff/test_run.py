@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smc_handoff import run
+from smc_handoff import launch
 from tests.handoff.test_socket import MiniDaemon
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,17 +121,17 @@ def test_help_and_usage_errors() -> None:
 def test_command_line_parsing(tmp_path: Path) -> None:
     script = tmp_path / "prog.py"
     script.write_text("print('hi')\n")
-    assert run.command_line(["-vd", str(script), "a"]) == (
+    assert launch.command_line(["-vd", str(script), "a"]) == (
         [sys.executable, str(script), "a"],
         True,
         True,
     )
-    assert run.command_line(["-mhttp.server", "8000"]) == (
+    assert launch.command_line(["-mhttp.server", "8000"]) == (
         [sys.executable, "-m", "http.server", "8000"],
         False,
         False,
     )
-    assert run.command_line(["--", "python3", "-V"]) == (["python3", "-V"], False, False)
+    assert launch.command_line(["--", "python3", "-V"]) == (["python3", "-V"], False, False)
 
 
 def test_debug_and_plain_socket_behaviour(tmp_path: Path) -> None:
