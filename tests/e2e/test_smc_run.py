@@ -129,19 +129,30 @@ print("echoed", n, max(c.fileno() for c in conns), flush=True)
 """
 
 
+def _serve(smcd: Smcd, program: str) -> tuple[dict[str, str], subprocess.Popen[str], int]:
+    """``program`` (``-c``) under ``smc-run -v`` against ``smcd``: its environment, the process
+    and the port it printed."""
+    env = {**REPO_ENV, "SMCD_HANDOFF_SOCKET": os.fspath(smcd.handoff), "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", program],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        return env, server, int(_line(server, r"port (\d+)").group(1))
+    except BaseException:
+        server.kill()
+        server.communicate()
+        raise
+
+
 def test_a_select_loop_serves_hundreds_of_connections(smcd: Smcd) -> None:
     """A plain ``select.select`` server with blocking sockets, 300 connections from one
     client. Each SMC connection holds seven descriptors, so its ``fileno()`` passed 1024 at the
     ~146th and select raised ``filedescriptor out of range`` (TCP serves ~1,000); and a peer's
     late kick could leave a connection polled readable with nothing to read, so that the
     server's blocking ``recv`` waited for data the client would only send once answered."""
-    env = {**REPO_ENV, "SMCD_HANDOFF_SOCKET": os.fspath(smcd.handoff), "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(
-        [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", SELECT_SERVER],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    env, server, port = _serve(smcd, SELECT_SERVER)
     try:
-        port = int(_line(server, r"port (\d+)").group(1))
         for _ in range(2):
             client = subprocess.run(
                 [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", SELECT_CLIENT, str(port),
@@ -224,13 +235,8 @@ def test_an_edge_triggered_epoll_echo_server_answers_every_byte(smcd: Smcd) -> N
     clients send 3 MB each while reading their echo. When a send met a full ring and the
     client's reads made room before the server's next poll, the EPOLLOUT edge TCP owes then
     never came: 3 of 64 clients waited for the rest of their echo."""
-    env = {**REPO_ENV, "SMCD_HANDOFF_SOCKET": os.fspath(smcd.handoff), "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(
-        [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", ET_SERVER],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    env, server, port = _serve(smcd, ET_SERVER)
     try:
-        port = int(_line(server, r"port (\d+)").group(1))
         client = subprocess.run(
             [os.fspath(SMC_RUN), "-v", os.fspath(PYTHON), "-c", ET_CLIENT, str(port)],
             capture_output=True, text=True, env=env, timeout=90,
