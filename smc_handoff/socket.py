@@ -1189,7 +1189,9 @@ class SmcSocket(_BaseSocket):
         ch = smc.channel
         if smc.sent or smc.received or (ch.readable() and not ch.eof):
             raise OSError(
-                errno.EOPNOTSUPP, "an SMC socket that carried data cannot leave its channel"
+                errno.EOPNOTSUPP,
+                "an SMC socket that carried data cannot leave its channel (TLS after data, "
+                "as STARTTLS: both ends are on SMC; run one of them without smc-run)",
             )
         if smc.holders > 1:
             raise OSError(errno.EOPNOTSUPP, "a dup()ed SMC socket cannot leave its channel")

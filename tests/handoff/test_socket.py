@@ -731,6 +731,7 @@ def test_detach_before_data_continues_on_tcp(daemon: MiniDaemon) -> None:
     with pytest.raises(OSError) as info:
         c.detach()
     assert info.value.errno == errno.EOPNOTSUPP and c.mode == "smcd"
+    assert "STARTTLS" in str(info.value)  # the usual way there, and what to do about it
     c.close()
     d.close()
 
