@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from typing import Any
 
 from smc_handoff import layout
@@ -76,6 +77,7 @@ from smc_handoff.channel_base import (
     make_pair,
 )
 from smc_handoff.layout import (
+    C_LEAVE,
     C_WAIT,
     C_WAIT_SPACE,
     COUNT_SHIFT,
@@ -110,6 +112,11 @@ ONE_WRAP = 1 << WRAP_SHIFT
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _RING_AT = layout.CDC_HEADER_LEN
 """Where the ring starts in a DMB's mapping (after the CDC header)."""
+
+
+LEAVE_LEAVING, LEAVE_READY, LEAVE_GAVE_UP = 1, 2, 3
+"""States of :meth:`Channel.leave_together` in the ``C_LEAVE`` trailer word (0: not leaving)."""
+_LEAVE_POLL_S = 0.0005
 
 
 class Channel(ChannelBase):
@@ -802,6 +809,44 @@ class Channel(ChannelBase):
             return True
         self._level_sync()
         return False
+
+    def leave_together(self, timeout: float) -> bool:
+        """Leave the channel for TCP together with the peer, after data moved (what ``ssl``
+        needs for STARTTLS: both ends call it, each from its ``wrap_socket``). True once both
+        ends have committed: neither sends over the channel again, and neither has anything
+        unread in it, so the TCP stream goes on from this point in both directions. False,
+        with nothing changed, when this end has something unread, or the peer does not come
+        to leave within ``timeout`` seconds, or gives up, or is gone.
+
+        Each end writes its state into its own receive DMB's trailer (``C_LEAVE``) and reads
+        the peer's: LEAVING (nothing unread here, nothing more sent), then READY once the peer
+        is LEAVING too and still nothing arrived; an end commits when both are READY. An end
+        that is READY never gives up on its own (the peer decides in a few steps from there),
+        so one end cannot commit while the other gives up. The caller keeps the process's
+        other threads off the channel (both locks)."""
+        self._check_open()
+        if self._fence or self._rx_ready():
+            return False  # not this process's to leave, or data, EOF or an error pending
+        own, peer = self._rx_ctrl, self._tx_ctrl
+        own[C_LEAVE] = LEAVE_LEAVING
+        fence()
+        deadline = time.monotonic() + timeout
+        while peer[C_LEAVE] not in (LEAVE_LEAVING, LEAVE_READY):
+            if peer[C_LEAVE] == LEAVE_GAVE_UP or time.monotonic() > deadline or self._check_link():
+                own[C_LEAVE] = LEAVE_GAVE_UP
+                return False
+            time.sleep(_LEAVE_POLL_S)
+        if self._rx_ready():  # sent before the peer came to leave: it stays readable here
+            own[C_LEAVE] = LEAVE_GAVE_UP
+            return False
+        own[C_LEAVE] = LEAVE_READY
+        fence()
+        while (state := peer[C_LEAVE]) != LEAVE_READY:
+            if state == LEAVE_GAVE_UP or self._check_link():
+                own[C_LEAVE] = LEAVE_GAVE_UP
+                return False
+            time.sleep(_LEAVE_POLL_S)
+        return True
 
     @property
     def tx_room(self) -> bool:

@@ -89,6 +89,7 @@ __all__ = [
     "CTRL_LEN",
     "C_KICK",
     "C_KICK_SPACE",
+    "C_LEAVE",
     "C_OWNER",
     "C_WAIT",
     "C_WAIT_SPACE",
@@ -141,6 +142,9 @@ C_WAIT, C_WAIT_SPACE, C_KICK, C_KICK_SPACE = 0, 1, 8, 9
 #: Trailer word of an end's own receive DMB, written only by the processes holding that end:
 #: which of them may use it after a fork (``smc_handoff.channel_base``, "fork").
 C_OWNER = 2
+#: Trailer word of an end's own receive DMB, written by that end: where it is in leaving the
+#: channel for TCP together with the peer after data moved (``Channel.leave_together``).
+C_LEAVE = 3
 
 # Bit positions of the fields inside the two cursor words, for this host's byte order. The
 # count (bytes 2..5 of the word) lands on bits 16..47 in both byte orders.

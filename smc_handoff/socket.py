@@ -20,9 +20,9 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
   eventfd): a non-blocking ``send`` may still raise :class:`BlockingIOError` when the peer's
   ring is full;
 - ``dup`` gives another socket object for the connection, which ends with the last close;
-  ``detach`` (what ``ssl`` does) first leaves the channel, which is only possible before any
-  byte moved and while no ``dup`` holds it (:meth:`SmcSocket.leave_channel`: the connection
-  then goes on over TCP, clean after CLC);
+  ``detach`` (what ``ssl`` does) first leaves the channel, while no ``dup`` holds it: before
+  any byte moved at once, after data (STARTTLS) only together with the peer
+  (:meth:`SmcSocket.leave_channel`: the connection then goes on over TCP);
 - ``MSG_PEEK`` and ``MSG_WAITALL`` work as on the kernel's AF_SMC; ``sendmsg``/``recvmsg``
   carry data but no ancillary data, and ``MSG_OOB`` is not available (``EOPNOTSUPP``);
 - ``socket(fileno=...)``/``socket.fromfd()`` cannot rebuild an SMC socket from its
@@ -145,6 +145,11 @@ by_fileno: dict[int, list[weakref.ref[SmcSocket]]] = {}
 for the calls that take a bare number: ``os.read``/``os.write``/``fcntl.ioctl`` (smc-run's
 :func:`smc_handoff.run.install`). Kept as the handoff and ``dup()`` make sockets; a closed
 socket's entry goes with its close (a collected one's dead reference at the next look)."""
+
+
+LEAVE_WAIT_S = 2.0
+"""How long a socket that carried data waits for its peer to leave the channel too (see
+:meth:`SmcSocket.leave_channel`): in STARTTLS the second end comes within a round trip."""
 
 
 def connection_at(fd: int) -> SmcSocket | None:
@@ -1175,10 +1180,14 @@ class SmcSocket(_BaseSocket):
         super().__del__()  # type: ignore[misc]
 
     def leave_channel(self) -> None:
-        """Continue on TCP: possible only before any byte moved over the channel, because the
-        TCP stream is clean after CLC. What ``ssl`` needs before it takes a socket over (with
-        TLS at both ends, both leave before the handshake); ``OSError(EOPNOTSUPP)`` once data
-        moved. Nothing to do in TCP mode."""
+        """Continue on TCP: what ``ssl`` needs before it takes a socket over. Before any byte
+        moved over the channel at once (the TCP stream is clean after CLC; with TLS at both
+        ends both leave before the handshake). After data moved (STARTTLS: a plaintext
+        exchange, then TLS) only together with the peer, which leaves in its own
+        ``wrap_socket`` within :data:`LEAVE_WAIT_S`, with nothing unread on either side
+        (:meth:`Channel.leave_together`): the TCP stream then goes on from that point in both
+        directions. Otherwise ``OSError(EOPNOTSUPP)``, the channel as it was. Nothing to do in
+        TCP mode."""
         smc = self._smc
         if smc is None and self._pending is not None:
             smc = self._settle()
@@ -1187,14 +1196,16 @@ class SmcSocket(_BaseSocket):
         if self._gone:
             raise _ebadf()
         ch = smc.channel
-        if smc.sent or smc.received or (ch.readable() and not ch.eof):
-            raise OSError(
-                errno.EOPNOTSUPP,
-                "an SMC socket that carried data cannot leave its channel (TLS after data, "
-                "as STARTTLS: both ends are on SMC; run one of them without smc-run)",
-            )
         if smc.holders > 1:
             raise OSError(errno.EOPNOTSUPP, "a dup()ed SMC socket cannot leave its channel")
+        moved = smc.sent or smc.received or (ch.readable() and not ch.eof)
+        if moved and not self._leave_together(smc):
+            raise OSError(
+                errno.EOPNOTSUPP,
+                "an SMC socket that carried data can leave its channel (for TLS, as STARTTLS "
+                "does) only together with its peer, with nothing unread on either side: the "
+                f"peer did not leave too within {LEAVE_WAIT_S:g} s",
+            )
         self._smc = None
         _unindex(smc.fd)
         ch.close()
@@ -1204,8 +1215,30 @@ class SmcSocket(_BaseSocket):
         self._fallback = Fallback(
             messages.FALLBACK_DETACHED,
             "DETACHED",
-            "the application took the TCP socket over before any data moved (e.g. for TLS)",
+            f"the application took the TCP socket over after {smc.sent} bytes sent and "
+            f"{smc.received} received over SMC, together with its peer (e.g. STARTTLS)"
+            if moved
+            else "the application took the TCP socket over before any data moved (e.g. for TLS)",
         )
+
+    def _leave_together(self, smc: _Smc) -> bool:
+        """:meth:`Channel.leave_together` with this process's other threads kept off the
+        channel; only an SMC-D channel (an SMC-R channel's peer is smcd's relay)."""
+        if smc.info.mode != messages.Mode.SMCD:
+            return False
+        ch = smc.channel
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        if not ch.rx_lock.acquire(timeout=LEAVE_WAIT_S):
+            return False
+        try:
+            if not ch.tx_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                return ch.leave_together(max(0.0, deadline - time.monotonic()))
+            finally:
+                ch.tx_lock.release()
+        finally:
+            ch.rx_lock.release()
 
     def detach(self) -> int:
         """Give up the TCP descriptor (after :meth:`leave_channel` on SMC)."""

@@ -1608,6 +1608,77 @@ def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path:
         assert all(": tcp (DETACHED (0xff000004)" in op for op in ops[1::2]), err
 
 
+
+STARTTLS_SERVER = r"""
+import socket, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(3):
+    conn, _ = lsock.accept()
+    f = conn.makefile("rb")
+    conn.sendall(b"220 ready\r\n")
+    assert f.readline() == b"EHLO me\r\n"
+    conn.sendall(b"250-hello\r\n250 STARTTLS\r\n")
+    assert f.readline() == b"STARTTLS\r\n"
+    conn.sendall(b"220 go ahead\r\n")
+    f.close()
+    with ctx.wrap_socket(conn, server_side=True) as tls:
+        data = b""
+        while not data.endswith(b"\n"):
+            data += tls.recv(65536)
+        tls.sendall(b"%d %s\n" % (len(data), tls.version().encode()))
+"""
+
+STARTTLS_CLIENT = r"""
+import socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+for i in range(3):
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20) as raw:
+        f = raw.makefile("rb")
+        assert f.readline() == b"220 ready\r\n"
+        raw.sendall(b"EHLO me\r\n")
+        assert f.readline() == b"250-hello\r\n" and f.readline() == b"250 STARTTLS\r\n"
+        raw.sendall(b"STARTTLS\r\n")
+        assert f.readline() == b"220 go ahead\r\n"
+        f.close()
+        with ctx.wrap_socket(raw) as tls:
+            tls.sendall(b"x" * 100000 + b"\n")
+            print(tls.recv(100).decode().strip(), flush=True)
+"""
+
+
+def test_starttls_leaves_the_channel_at_both_ends(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """STARTTLS (as SMTP, IMAP, POP3, LDAP do it): a plaintext exchange over SMC, then
+    ``wrap_socket`` at both ends. ``ssl`` reads the TCP descriptor itself, so after data moved
+    an end can leave the channel only together with its peer (each end in its own
+    ``wrap_socket``, nothing unread on either side); before, it raised EOPNOTSUPP and the
+    program failed where it works on TCP. The plaintext ran on smcd, TLS runs on TCP, and
+    ``smc-run -v`` says so for each end with the bytes that moved over SMC first."""
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make a test certificate (apt-get install openssl)"
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    server = _smc_run(_env(nocfg), STARTTLS_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, STARTTLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout.split("\n")[:3] == ["100001 TLSv1.3"] * 3, client.stdout
+    for side, err, sent, received in (("connect", client.stderr, 19, 50),
+                                      ("accept", serr, 50, 19)):  # fmt: skip
+        ops = [ln.split(": ", 1)[1] for ln in err.splitlines() if ln.startswith("smc-run[")]
+        ops = [ln for ln in ops if not ln.startswith("listen ")]
+        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 3, err
+        assert all(": smcd conn " in op for op in ops[0::2]), err
+        assert all(
+            f": tcp (DETACHED (0xff000004): the application took the TCP socket over after "
+            f"{sent} bytes sent and {received} received over SMC" in op
+            for op in ops[1::2]
+        ), err
+
 LINK_LOCAL = r"""
 import socket
 lsock = socket.create_server(("::", 0), family=socket.AF_INET6)

@@ -33,6 +33,7 @@ import pytest
 
 import smc_handoff
 from smc_handoff import messages as m
+from smc_handoff import socket as smc_socket
 from smc_handoff.channel import make_pair
 from smc_handoff.socket import SmcSocket
 
@@ -731,9 +732,84 @@ def test_detach_before_data_continues_on_tcp(daemon: MiniDaemon) -> None:
     with pytest.raises(OSError) as info:
         c.detach()
     assert info.value.errno == errno.EOPNOTSUPP and c.mode == "smcd"
-    assert "STARTTLS" in str(info.value)  # the usual way there, and what to do about it
     c.close()
     d.close()
+
+
+def _detach_both(a: SmcSocket, b: SmcSocket) -> tuple[int | BaseException, int | BaseException]:
+    """Both ends detach at once, each in its own thread (as two processes' wrap_socket)."""
+    out: list[int | BaseException] = [0, 0]
+
+    def leave(i: int, s: SmcSocket) -> None:
+        try:
+            out[i] = s.detach()
+        except BaseException as e:  # the test looks at it
+            out[i] = e
+
+    threads = [threading.Thread(target=leave, args=(i, s)) for i, s in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out[0], out[1]
+
+
+def test_after_data_both_ends_leave_together_and_tcp_goes_on(daemon: MiniDaemon) -> None:
+    """STARTTLS: a plaintext exchange over the channel, then ``ssl`` takes both ends over.
+    Both ends leave together (nothing unread at either), and the TCP stream goes on from
+    there in both directions; the fallback says how much moved over SMC first."""
+    a, b = wrapped_pair()
+    a.sendall(b"STARTTLS\r\n")
+    assert recv_exactly(b, 10) == b"STARTTLS\r\n"
+    b.sendall(b"220 go\r\n")
+    assert recv_exactly(a, 8) == b"220 go\r\n"
+    fa, fb = _detach_both(a, b)
+    assert isinstance(fa, int) and isinstance(fb, int), (fa, fb)
+    assert a.fallback is not None and a.fallback.code == m.FALLBACK_DETACHED
+    assert "after 10 bytes sent and 8 received over SMC" in a.fallback.explanation
+    with socket.socket(fileno=fa) as ta, socket.socket(fileno=fb) as tb:
+        ta.sendall(b"client hello")
+        assert recv_exactly(tb, 12) == b"client hello"
+        tb.sendall(b"server hello")
+        assert recv_exactly(ta, 12) == b"server hello"
+
+
+def test_one_end_alone_cannot_leave_after_data(
+    daemon: MiniDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer does not come to leave (it does no TLS): after the wait, EOPNOTSUPP, and the
+    connection goes on over SMC as if nothing happened (the peer's data sent meanwhile too).
+    With something unread here the refusal comes at once: ``ssl`` would never see it."""
+    monkeypatch.setattr(smc_socket, "LEAVE_WAIT_S", 0.3)
+    a, b = wrapped_pair()
+    a.sendall(b"x")
+    assert recv_exactly(b, 1) == b"x"
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as info:
+        a.detach()
+    assert info.value.errno == errno.EOPNOTSUPP and "did not leave too" in str(info.value)
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert a.mode == b.mode == "smcd"
+    b.sendall(b"still smc")
+    assert recv_exactly(a, 9) == b"still smc"
+    a.sendall(b"both ways")
+    assert recv_exactly(b, 9) == b"both ways"
+    b.sendall(b"unread")
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    with pytest.raises(OSError):
+        a.detach()
+    assert time.monotonic() - t0 < 0.2  # at once
+    assert recv_exactly(a, 6) == b"unread"
+    # and a peer that leaves while this end still has its data unread: neither leaves
+    b.sendall(b"late")
+    time.sleep(0.05)
+    fa, fb = _detach_both(a, b)
+    assert isinstance(fa, OSError) and isinstance(fb, OSError), (fa, fb)
+    assert a.mode == b.mode == "smcd"
+    assert recv_exactly(a, 4) == b"late"
+    a.close()
+    b.close()
 
 
 CHILD = r"""
