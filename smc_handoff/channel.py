@@ -820,9 +820,11 @@ class Channel(ChannelBase):
 
         Each end writes its state into its own receive DMB's trailer (``C_LEAVE``) and reads
         the peer's: LEAVING (nothing unread here, nothing more sent), then READY once the peer
-        is LEAVING too and still nothing arrived; an end commits when both are READY. An end
-        that is READY never gives up on its own (the peer decides in a few steps from there),
-        so one end cannot commit while the other gives up. The caller keeps the process's
+        is LEAVING too and still nothing arrived; an end commits when both are READY, and
+        gives up (GAVE_UP) otherwise. An end that is READY never gives up on its own (the peer
+        decides in a few steps from there: READY, or GAVE_UP), so one end cannot commit while
+        the other gives up; a GAVE_UP left by an earlier attempt does not spoil a later one.
+        Buffers come to a connection zeroed, trailer included. The caller keeps the process's
         other threads off the channel (both locks)."""
         self._check_open()
         if self._fence or self._rx_ready():
@@ -831,8 +833,9 @@ class Channel(ChannelBase):
         own[C_LEAVE] = LEAVE_LEAVING
         fence()
         deadline = time.monotonic() + timeout
+        # (a GAVE_UP seen here is an earlier attempt's: wait for this one's LEAVING)
         while peer[C_LEAVE] not in (LEAVE_LEAVING, LEAVE_READY):
-            if peer[C_LEAVE] == LEAVE_GAVE_UP or time.monotonic() > deadline or self._check_link():
+            if time.monotonic() > deadline or self._check_link():
                 own[C_LEAVE] = LEAVE_GAVE_UP
                 return False
             time.sleep(_LEAVE_POLL_S)
@@ -842,7 +845,7 @@ class Channel(ChannelBase):
         own[C_LEAVE] = LEAVE_READY
         fence()
         while (state := peer[C_LEAVE]) != LEAVE_READY:
-            if state == LEAVE_GAVE_UP or self._check_link():
+            if state != LEAVE_LEAVING or self._check_link():  # it gave up
                 own[C_LEAVE] = LEAVE_GAVE_UP
                 return False
             time.sleep(_LEAVE_POLL_S)
