@@ -162,6 +162,11 @@ def _server_call(server: Any, name: str, transport: asyncio.BaseTransport) -> No
 class SmcTransport(asyncio.Transport):
     """A stream transport over an :class:`SmcSocket` in SMC mode (see the module docstring)."""
 
+    _start_tls_compatible = True
+    """``loop.start_tls()`` (STARTTLS: ``StreamWriter.start_tls``, a protocol's upgrade) layers
+    asyncio's TLS protocol over this transport, as over its own socket transport: TLS then runs
+    over the channel. Without it start_tls raised TypeError where TCP works."""
+
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,

@@ -253,6 +253,51 @@ async def main():
 asyncio.run(main())
 '''
 
+STARTTLS = r'''
+"""asyncio STARTTLS (as aiosmtpd or an IMAP server does it): a plaintext exchange, then
+StreamWriter.start_tls() at both ends, three times; each line says what the client read, the
+TLS version and the mode of the connection beneath the TLS transport."""
+import asyncio, ssl, sys
+
+cert, key = sys.argv[1], sys.argv[2]
+
+async def serve(reader, writer):
+    writer.write(b"220 ready\r\n")
+    await writer.drain()
+    assert await reader.readline() == b"STARTTLS\r\n"
+    writer.write(b"220 go ahead\r\n")
+    await writer.drain()
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    await writer.start_tls(ctx)
+    data = await reader.readline()
+    writer.write(b"got %d\n" % len(data))
+    await writer.drain()
+    writer.close()
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ctx = ssl.create_default_context(cafile=cert)
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await reader.readline() == b"220 ready\r\n"
+        writer.write(b"STARTTLS\r\n")
+        await writer.drain()
+        assert await reader.readline() == b"220 go ahead\r\n"
+        await writer.start_tls(ctx, server_hostname="localhost")
+        writer.write(b"t" * 30000 + b"\n")
+        await writer.drain()
+        got = (await reader.readline()).decode().strip()
+        beneath = writer.get_extra_info("smc_socket")
+        print(got, writer.get_extra_info("ssl_object").version(),
+              beneath.mode if beneath is not None else "tcp", flush=True)
+        writer.close()
+    server.close()
+
+asyncio.run(main())
+'''
+
 UVLOOP = r'''
 """A streams echo on uvloop's event loop (its transports are libuv's own): under smc-run it
 runs on TCP, and -v says why for the listener and the connection."""

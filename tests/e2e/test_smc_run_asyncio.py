@@ -22,6 +22,7 @@ from tests.e2e.asyncio_programs import (
     AIOHTTP_CLIENT,
     ASGI_APP,
     SOCK_METHODS,
+    STARTTLS,
     STREAMS,
     TLS_PAIR,
     UVLOOP,
@@ -291,6 +292,27 @@ def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
     assert not re.search(rf"{tls_port}.*: (registered|smcd)", err), err
     assert re.search(rf"listen .*{plain_port}.*: registered as listener", err), err
     assert re.search(rf"connect .*{plain_port}.*: smcd conn \d+", err), err
+
+
+def test_starttls_runs_tls_over_the_channel(programs: Programs, tmp_path: Path) -> None:
+    """asyncio's start_tls() (STARTTLS after a plaintext exchange) layers its TLS protocol over
+    the transport; on an SMC connection it raised TypeError (the transport was not marked
+    start_tls-compatible) where TCP works. Now TLS runs over the channel itself: the
+    connection beneath the TLS transport is still on smcd, and every byte arrives."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", os.fspath(key), "-out", os.fspath(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    proc = programs.start([os.fspath(PYTHON), "-c", STARTTLS, os.fspath(cert), os.fspath(key)])
+    for _ in range(3):
+        assert _line(proc, r"got \d+ .*").group(0) == "got 30001 TLSv1.3 smcd"
+    assert proc.wait(20) == 0
+    (err,) = programs.stop()
+    assert len(re.findall(r"connect .*: smcd conn \d+", err)) == 3, err
+    assert "DETACHED" not in err, err
 
 
 def test_uvloop_runs_on_tcp_and_says_why(programs: Programs) -> None:
