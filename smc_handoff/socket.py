@@ -1209,7 +1209,7 @@ class SmcSocket(_BaseSocket):
         self._smc = None
         _unindex(smc.fd)
         ch.close()
-        smc.notify(messages.Close(False, 0, 0))
+        smc.notify(messages.Close(False, smc.sent, smc.received))
         if smc.control is not None:
             smc.control.close()
         self._fallback = Fallback(
