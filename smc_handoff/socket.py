@@ -1199,6 +1199,10 @@ class SmcSocket(_BaseSocket):
         if smc.holders > 1:
             raise OSError(errno.EOPNOTSUPP, "a dup()ed SMC socket cannot leave its channel")
         moved = smc.sent or smc.received or (ch.readable() and not ch.eof)
+        if moved and smc.info.mode != messages.Mode.SMCD:
+            raise OSError(  # its peer is smcd's relay, which cannot go on over TCP
+                errno.EOPNOTSUPP, "an SMC-R socket that carried data cannot leave its channel"
+            )
         if moved and not self._leave_together(smc):
             raise OSError(
                 errno.EOPNOTSUPP,
@@ -1223,9 +1227,7 @@ class SmcSocket(_BaseSocket):
 
     def _leave_together(self, smc: _Smc) -> bool:
         """:meth:`Channel.leave_together` with this process's other threads kept off the
-        channel; only an SMC-D channel (an SMC-R channel's peer is smcd's relay)."""
-        if smc.info.mode != messages.Mode.SMCD:
-            return False
+        channel."""
         ch = smc.channel
         deadline = time.monotonic() + LEAVE_WAIT_S
         if not ch.rx_lock.acquire(timeout=LEAVE_WAIT_S):
