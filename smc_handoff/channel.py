@@ -845,7 +845,13 @@ class Channel(ChannelBase):
         own[C_LEAVE] = LEAVE_READY
         fence()
         while (state := peer[C_LEAVE]) != LEAVE_READY:
-            if state != LEAVE_LEAVING or self._check_link():  # it gave up
+            if state != LEAVE_LEAVING:  # it gave up
+                own[C_LEAVE] = LEAVE_GAVE_UP
+                return False
+            if self._check_link():
+                # gone, or committed and closed its end since the look above: READY tells
+                if peer[C_LEAVE] == LEAVE_READY:
+                    return True
                 own[C_LEAVE] = LEAVE_GAVE_UP
                 return False
             time.sleep(_LEAVE_POLL_S)

@@ -494,3 +494,47 @@ def test_an_exception_from_a_signal_handler_never_leaves_a_fence_held() -> None:
         signal.signal(signal.SIGALRM, old)
         if layout._fence_lock.locked():  # (no other thread here: the next tests get it free)
             layout._fence_lock.release()
+
+
+def test_leave_together_commits_when_the_peer_committed_and_closed_between_two_looks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Phase two of ``leave_together`` (this end READY) reads the peer's state, then looks at
+    the link. A peer that became READY and committed (closing its end) between those two looks
+    left the link dead: taken for a peer gone, this end gave up while the peer had left for
+    TCP. The interleaving is made here by running the peer's commit inside the link look."""
+    a, b = pair()
+    a.send_into(b"data moved")  # a STARTTLS-like exchange before
+    assert drain(b) == b"data moved"
+    b_ctrl = b._rx_ctrl  # b writes its state here; a reads it as its _tx_ctrl
+    b_ctrl[layout.C_LEAVE] = 1  # b is LEAVING
+    real_check = Channel._check_link
+    done = []
+
+    def peer_commits_then_look(self: Channel) -> bool:
+        if self is a and not done:
+            done.append(True)
+            b_ctrl[layout.C_LEAVE] = 2  # b READY (it saw a READY) ...
+            b.close()  # ... committed, closed its end
+        return bool(real_check(self))
+
+    monkeypatch.setattr(Channel, "_check_link", peer_commits_then_look)
+    assert a.leave_together(1.0) is True
+    assert done
+    a.close()
+
+
+def test_leave_together_refuses_with_data_unread_or_a_peer_that_does_not_come() -> None:
+    """Nothing changes on a refusal: unread data stays readable, and the channel goes on."""
+    a, b = pair()
+    b.send_into(b"unread")
+    assert a.leave_together(0.05) is False  # at once: this end has something unread
+    assert drain(a) == b"unread"
+    t0 = time.monotonic()
+    assert a.leave_together(0.1) is False  # b never comes to leave
+    assert time.monotonic() - t0 >= 0.1
+    assert a._rx_ctrl[layout.C_LEAVE] == 3  # GAVE_UP, for a peer that came in between
+    b.send_into(b"still")
+    assert drain(a) == b"still"
+    a.close()
+    b.close()
