@@ -273,22 +273,34 @@ class SmcTransport(asyncio.Transport):
         """The eventfd is readable: a kick we asked for."""
         self.wakeups += 1
         self._channel.drain_kicks(link=False)  # first: a kick after this keeps it readable
-        self._look()
+        self._look(kicked=True)
 
-    def _look(self) -> None:
+    def _look(self, kicked: bool = False) -> None:
         ch = self._channel
         # Look only where the kick can be for: a request still armed stays armed (its kick has
-        # not come: the peer publishes before it kicks).
-        if self._want_space and ch.tx_room:
-            self._want_space = False
-            self.space_wakeups += 1
-            self._write_ready()  # asks for the next space kick when it fills the ring again
+        # not come: the peer publishes before it kicks) -- unless a kick was taken and found
+        # nothing. The peer kicks each request once; a kick taken late, after its data was
+        # read another way (a scheduled read, the busy poll), leaves that request spent, and
+        # the next data came without a kick: the connection stalled for good (both ends
+        # asleep in epoll, one with data unread; about once in 10^6 round trips). So a kick
+        # that finds nothing asks again, with a new request.
+        if self._want_space:
+            if ch.tx_room:
+                self._want_space = False
+                self.space_wakeups += 1
+                self._write_ready()  # asks for the next space kick when it fills the ring again
+            elif kicked:
+                self._want_space = False
+                self._wait_space()
         if (self._want_data or self._polling) and ch.rx_pending:
             if self.poll_missed:  # the data a spin gave up on: would a longer one have caught it?
                 aio_poll.learn(self.poll_waiter, self.poll_missed)
                 self.poll_missed = 0
             self._want_data = self._polling = False  # (a hang-up while polling ends here too)
             self._read_ready()  # asks for the next data kick when it empties the ring
+        elif kicked and self._want_data:
+            self._want_data = False
+            self._arm_read()  # a new request (or a read, when data came meanwhile)
         if not (self._want_data or self._want_space or self._polling):
             # Nothing asked for: no epoll wakeups meanwhile. A transport in the busy poll
             # stays watched: it arms again when the poll gives up, and two epoll_ctl calls

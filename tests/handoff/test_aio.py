@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from smc_handoff import aio
+from smc_handoff import aio, layout
 from smc_handoff import messages as m
 from smc_handoff.aio_transport import SmcTransport, run_handoff
 from smc_handoff.socket import connect, listen
@@ -372,5 +372,37 @@ def test_both_ends_have_tcp_nodelay_as_asyncio_sets_it(setup: str) -> None:
             assert await accepted == 1
             writer.close()
             await writer.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_kick_that_finds_nothing_asks_again(
+    daemon: MiniDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer kicks each request once. A kick taken after its data was read another way (a
+    scheduled read, the busy poll) found nothing, and the transport kept waiting on that spent
+    request: the next data came without a kick, and the connection stalled for good (both
+    ends asleep in epoll, one with 64 KiB unread: about once in 10^6 round trips of the
+    asyncio bench). Made here by spending the request by hand, as the peer would."""
+    monkeypatch.setenv("SMC_RUN_BUSY_POLL", "0")  # the transport arms its kick at once
+
+    async def main() -> None:
+        a, b = Recorder(), Recorder()
+        ta, tb = await _pair(a, b)
+        await asyncio.sleep(0.05)
+        ch, peer = tb._channel, ta._channel
+        assert tb._want_data  # waiting for data, its request armed
+        gen = ch._wd.gen
+        # the peer kicked this request (for data read meanwhile another way): spent
+        peer._kicked_d = gen
+        ch._rx_ctrl[layout.C_KICK] = gen
+        os.eventfd_write(ch.event_fd(), 1)
+        await asyncio.sleep(0.1)  # the kick is taken and finds nothing
+        assert ch._wd.gen != gen  # asked again
+        ta.write(b"after the spent kick")
+        await asyncio.wait_for(b.got.wait(), 5)
+        assert bytes(b.data) == b"after the spent kick"
+        ta.close()
+        tb.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
