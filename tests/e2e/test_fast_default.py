@@ -1586,16 +1586,21 @@ for i in range(2):
 """
 
 
-def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
-    """``ssl`` takes an upgraded socket over: the connection leaves its channel before the TLS
-    handshake and TLS runs on TCP. ``smc-run -v`` said ``smcd`` at connect and accept; it now
-    also says, for each end, that TLS took the connection to TCP (``DETACHED``)."""
+def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and its key (openssl)."""
     openssl = shutil.which("openssl")
     assert openssl, "openssl is needed to make a test certificate (apt-get install openssl)"
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
                     "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
                    check=True, capture_output=True, timeout=60)  # fmt: skip
+    return cert, key
+
+def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """``ssl`` takes an upgraded socket over: the connection leaves its channel before the TLS
+    handshake and TLS runs on TCP. ``smc-run -v`` said ``smcd`` at connect and accept; it now
+    also says, for each end, that TLS took the connection to TCP (``DETACHED``)."""
+    cert, key = _test_cert(tmp_path)
     server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
     client, _, _, serr = _serve_then_run(nocfg, server, TLS_CLIENT, cert)
     assert client.returncode == 0, client.stderr[-3000:]
@@ -1657,12 +1662,7 @@ def test_starttls_leaves_the_channel_at_both_ends(nocfg: PrivateSmcd, tmp_path: 
     ``wrap_socket``, nothing unread on either side); before, it raised EOPNOTSUPP and the
     program failed where it works on TCP. The plaintext ran on smcd, TLS runs on TCP, and
     ``smc-run -v`` says so for each end with the bytes that moved over SMC first."""
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is needed to make a test certificate (apt-get install openssl)"
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
-                    "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    cert, key = _test_cert(tmp_path)
     server = _smc_run(_env(nocfg), STARTTLS_SERVER, cert, key)
     client, _, _, serr = _serve_then_run(nocfg, server, STARTTLS_CLIENT, cert)
     assert client.returncode == 0, client.stderr[-3000:]

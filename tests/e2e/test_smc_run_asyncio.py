@@ -273,9 +273,8 @@ def test_a_burst_of_connections_to_a_server_of_the_same_loop_is_on_smcd(
     assert {mode for _, mode in ends} == {"smcd"}, err[-3000:]
 
 
-def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
-    """asyncio's ssl= (server and client) is never handed off: its listener is not registered
-    and its connections stay on TCP, while a plain server in the same program is upgraded."""
+def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost (with that name as its SAN) and its key."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -283,6 +282,12 @@ def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
          "-keyout", os.fspath(key), "-out", os.fspath(cert)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    return cert, key
+
+def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
+    """asyncio's ssl= (server and client) is never handed off: its listener is not registered
+    and its connections stay on TCP, while a plain server in the same program is upgraded."""
+    cert, key = _test_cert(tmp_path)
     proc = programs.start([os.fspath(PYTHON), "-c", TLS_PAIR, os.fspath(cert), os.fspath(key)])
     tls_port, plain_port = map(int, _line(proc, r"ports (\d+) (\d+)").groups())
     assert _line(proc, r"echo (.*)").group(1) == f"over {tls_port}"
@@ -299,13 +304,7 @@ def test_starttls_runs_tls_over_the_channel(programs: Programs, tmp_path: Path) 
     the transport; on an SMC connection it raised TypeError (the transport was not marked
     start_tls-compatible) where TCP works. Now TLS runs over the channel itself: the
     connection beneath the TLS transport is still on smcd, and every byte arrives."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-         "-keyout", os.fspath(key), "-out", os.fspath(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = _test_cert(tmp_path)
     proc = programs.start([os.fspath(PYTHON), "-c", STARTTLS, os.fspath(cert), os.fspath(key)])
     for _ in range(3):
         assert _line(proc, r"got \d+ .*").group(0) == "got 30001 TLSv1.3 smcd"
