@@ -244,14 +244,19 @@ class _Select:
         rest = [obj for obj in wlist if id(obj) not in ours] if smc else wlist
         deadline, wait = _deadline(timeout), timeout
         while True:
-            rooms = _Rooms()
-            for _obj, fd, sock in smc:
-                rooms.ask(fd, sock)
-            links = rooms.links
-            try:
-                r, w, x = _select_any([*rlist, *links], rest, xlist, 0 if rooms.ready else wait)
-            finally:
-                room = rooms.done()
+            if not smc:  # nothing of ours asked for writing: no rooms, no links
+                r, w, x = _select_any(rlist, rest, xlist, wait)
+                room: set[int] = set()
+                links: list[int] = []
+            else:
+                rooms = _Rooms()
+                for _obj, fd, sock in smc:
+                    rooms.ask(fd, sock)
+                links = rooms.links
+                try:
+                    r, w, x = _select_any([*rlist, *links], rest, xlist, 0 if rooms.ready else wait)
+                finally:
+                    room = rooms.done()
             woke = bool(r)
             if links:
                 hidden = set(links)
