@@ -54,7 +54,6 @@ importable from here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -351,20 +350,18 @@ class Channel(ChannelBase):
             self._wr_shut = True
             self._tx_run = 0
             self._set_csflags(self._csflags | PEER_DONE_WRITING)
+            self._wake_sleepers()  # a send blocked in another thread fails at once (EPIPE)
 
     def shutdown_read(self) -> None:
         """SHUT_RD: nothing changes for the peer (the kernel's AF_SMC sends nothing either), but
         a read no longer waits: it returns what is there, else EOF. So the end polls readable
         from now on, as a TCP socket shut for reading does. A read blocked in another thread
-        returns too (TCP's shutdown wakes it): at once when it sleeps on the eventfd, which
-        this kicks; one that sleeps on the peer link (which only the peer can make readable)
-        at its next look, within ``_SLEEP_CAP_S``."""
+        returns too, at once, as TCP's shutdown wakes it: whether it sleeps on the eventfd or
+        on the peer link (see :meth:`_wake_sleepers`)."""
         self._rd_shut = True
         if self._level:
             self._level_sync()
-        elif self._efd_sleeper:
-            with contextlib.suppress(OSError):
-                os.eventfd_write(self._rx_efd, 1)
+        self._wake_sleepers()
 
     # ---------------------------------------------------------------------------- receiving
 

@@ -54,6 +54,8 @@ from smc_handoff.wakeup import (
     learn,
     link_watcher,
     spin,
+    take_thread_wake,
+    thread_wake_fd,
 )
 
 __all__ = [
@@ -325,6 +327,8 @@ class ChannelBase:
         self._sleep_lock = threading.Lock()
         self._link_sleeper = False
         self._efd_sleeper = False
+        self._sleeper_wake = -1  # the link sleeper's thread wake-up fd (see _wake_sleepers)
+        self._link_wake = -1  # the thread wake-up fd registered in _link_poller
         # One sender and one receiver at a time: the ring's cursors and our waiter words are
         # one thread's each, so threads sharing a socket (TCP allows it: each send is atomic)
         # take these in the socket layer (smc_handoff.socket), never inside the channel.
@@ -394,6 +398,8 @@ class ChannelBase:
         self.tx_lock = threading.Lock()
         self.rx_lock = threading.Lock()
         self._link_sleeper = self._efd_sleeper = False
+        self._sleeper_wake = self._link_wake = -1
+        self._link_poller = None  # it polls wake-up fds of the parent's threads
 
     def _fork_done(self) -> None:
         """After ``fork()``, in both processes: fenced until claimed."""
@@ -631,9 +637,11 @@ class ChannelBase:
                         return True
                     continue
                 woken = True
-                for _fd, ev in events:
+                for fd, ev in events:
                     if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         self._check_link()
+                    elif on_link and fd != self._link_fd:  # our thread's wake-up
+                        take_thread_wake(fd)
                 if on_link:
                     self._take_kick()
                 if ready():
@@ -652,6 +660,12 @@ class ChannelBase:
             if poller is None:
                 poller = self._link_poller = _poll()
                 poller.register(self._link_fd, select.POLLIN)
+            wake = self._sleeper_wake
+            if self._link_wake != wake:  # another thread sleeps here now: its wake-up fd
+                if self._link_wake >= 0:
+                    poller.unregister(self._link_wake)
+                poller.register(wake, select.POLLIN)
+                self._link_wake = wake
         else:
             poller = self._efd_poller
             if poller is None:
@@ -669,6 +683,7 @@ class ChannelBase:
             on_link = w is self._ws if self._level else not self._link_sleeper
             if on_link:
                 self._link_sleeper = True
+                self._sleeper_wake = thread_wake_fd()
             else:
                 self._efd_sleeper = True
             return on_link
@@ -679,6 +694,20 @@ class ChannelBase:
                 self._link_sleeper = False
             else:
                 self._efd_sleeper = False
+
+    def _wake_sleepers(self) -> None:
+        """Wake this end's sleeping waits so that they look again: another thread shut the
+        socket down, and TCP's ``shutdown()`` wakes every waiter (a blocked ``recv`` returns
+        EOF, a blocked ``send`` fails with ``EPIPE``). A sleeper with nothing new only looks
+        and sleeps again."""
+        with self._sleep_lock:
+            wake = self._sleeper_wake if self._link_sleeper else -1
+            efd = self._efd_sleeper
+        with contextlib.suppress(OSError):
+            if wake >= 0:
+                os.eventfd_write(wake, 1)
+            if efd:
+                os.eventfd_write(self._rx_efd, 1)
 
     def _arm(self, w: Waiter, on_link: bool, fresh: bool = False) -> bool:
         """Publish "kick me for ``w``'s condition on this descriptor" and fence (see ``layout``:

@@ -35,6 +35,8 @@ __all__ = [
     "link_watcher",
     "spin",
     "spin_backoff",
+    "take_thread_wake",
+    "thread_wake_fd",
 ]
 
 # "Kick me" bits in the WAIT word of the control trailer.
@@ -185,6 +187,45 @@ def spin(
     if not w.since or start - w.since > _SINCE_STALE_NS:
         w.since = start  # the budget ran out: learn() tells whether a longer one would have paid
     return False
+
+
+class _ThreadWake:
+    """The eventfd of one thread (see :func:`thread_wake_fd`), closed with the thread."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+_thread_wake = threading.local()
+
+
+def thread_wake_fd() -> int:
+    """The calling thread's own wake-up descriptor (an eventfd, made on first use, closed when
+    the thread ends), which a sleep on a peer link polls too.
+
+    Why: a sleeper on the link (the kicks' preferred path) polls a descriptor only the peer can
+    make readable, but TCP's ``shutdown()`` from another thread wakes a blocked ``recv`` or
+    ``send`` at once, and programs stop their reader threads that way. The channel's own eventfd
+    cannot serve (the other direction's sleeper holds it, and would take the wake-up), one per
+    channel would cost a descriptor per connection, and one per process would wake every
+    sleeper of every connection; one per thread wakes exactly the thread that sleeps."""
+    try:
+        return _thread_wake.wake.fd  # type: ignore[no-any-return]
+    except AttributeError:
+        wake = _thread_wake.wake = _ThreadWake()
+        return wake.fd
+
+
+def take_thread_wake(fd: int) -> None:
+    """Clear a thread's wake-up descriptor after a poll found it readable."""
+    with contextlib.suppress(OSError):
+        os.eventfd_read(fd)
 
 
 #: A ``since`` older than this belongs to an earlier wait (one wait spins at most twice: a

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 import smc_handoff
+from smc_handoff import channel_base
 from smc_handoff import messages as m
 from smc_handoff import socket as smc_socket
 from smc_handoff.channel import make_pair
@@ -638,6 +639,104 @@ def test_shutdown_rd_still_returns_what_was_received(pair: tuple[Any, Any]) -> N
     assert got == b"after"
     b.sendall(b"back")  # the other direction is untouched
     assert recv_exactly(a, 4) == b"back"
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
+@pytest.mark.parametrize("how", ["SHUT_RD", "SHUT_RDWR"])
+def test_shutdown_in_another_thread_wakes_a_blocked_recv(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, how: str, timeout: float | None
+) -> None:
+    """A ``recv`` blocked in one thread returns EOF as soon as another thread shuts the socket
+    for reading, as on TCP: the usual way to stop a reader thread. A blocked read sleeps on the
+    peer link, which only the peer could make readable; it used to return only at its next look
+    (up to a second later). The naps are made an hour long here, so a read that is not woken
+    hangs instead of returning late."""
+    monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
+    a, _b = pair
+    a.settimeout(timeout)
+    got: dict[str, Any] = {}
+
+    def reader() -> None:
+        try:
+            got["r"] = a.recv(100)
+        except OSError as e:
+            got["r"] = e
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    time.sleep(0.3)  # past its spin: asleep
+    assert t.is_alive() and not got
+    a.shutdown(getattr(socket, how))
+    t.join(30)
+    assert not t.is_alive(), "the blocked recv was not woken by shutdown()"
+    assert got["r"] == b""
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
+@pytest.mark.parametrize("how", ["SHUT_WR", "SHUT_RDWR"])
+def test_shutdown_in_another_thread_fails_a_blocked_send(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, how: str, timeout: float | None
+) -> None:
+    """A ``send`` blocked on a full buffer (the peer does not read) fails with ``EPIPE`` as
+    soon as another thread shuts the socket for writing, as on TCP; it used to wait for its
+    next look (up to a second), and with hour-long naps it hangs."""
+    monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
+    a, _b = pair
+    a.settimeout(timeout)
+    got: dict[str, Any] = {}
+
+    def writer() -> None:
+        chunk = b"w" * 65536
+        try:
+            while True:
+                a.send(chunk)
+        except OSError as e:
+            got["r"] = e
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    time.sleep(0.5)  # the buffers fill, the send sleeps
+    assert t.is_alive() and not got
+    a.shutdown(getattr(socket, how))
+    t.join(30)
+    assert not t.is_alive(), "the blocked send was not woken by shutdown()"
+    assert isinstance(got["r"], BrokenPipeError), got["r"]
+
+
+@pytest.mark.parametrize("pair", ["smcd"], indirect=True)
+def test_a_late_thread_wakeup_is_harmless(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shutdown's wake-up can land just after the sleeper it was meant for returned (its data
+    came first); that thread's next sleep then wakes once for nothing and must sleep on, and
+    still take its data when it comes."""
+    from smc_handoff.wakeup import thread_wake_fd
+
+    monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
+    a, b = pair
+    got: dict[str, Any] = {}
+
+    def reader() -> None:
+        fd = thread_wake_fd()
+        os.eventfd_write(fd, 1)  # as a late wake-up leaves it
+        got["r"] = b.recv(100)
+        got["left"] = select_readable(fd)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not got, got
+    a.sendall(b"late")
+    t.join(30)
+    assert not t.is_alive()
+    assert got["r"] == b"late"
+    assert got["left"] is False  # the stale wake-up was taken, not left to spin on
+
+
+def select_readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def test_use_after_close(pair: tuple[Any, Any]) -> None:
