@@ -646,6 +646,10 @@ class ChannelState:
     wr_shut: bool = False
     next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
     deadline: float | None = None  # of the sendall() in progress (None: per call)
+    timeo: tuple[float, float] | None = None
+    """The TCP socket's ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` in seconds (0: none), which bound a
+    blocking call's wait (``SmcSocket._blocking_until``); None until a blocking call first
+    waits, and again after any ``SOL_SOCKET`` option is set."""
     resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
     holders: int = 1  # socket objects sharing this connection (dup()): the last close closes it
     relay: int | None = None

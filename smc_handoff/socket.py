@@ -114,6 +114,9 @@ _RECV_FLAGS = (
 #: How long a ``MSG_PEEK | MSG_WAITALL`` read naps while fewer bytes than asked are there (a
 #: wait for readability returns at once then: what is there is unread).
 _PEEK_NAP = 0.0005
+_TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO/SO_SNDTIMEO: struct timeval
+_UNSET = -1.0
+"""A blocking call's ``until`` (see ``SmcSocket._blocking_until``) before it first waits."""
 _SOCK_STREAM = int(_socket.SOCK_STREAM)
 # The C socket's plain-int attributes: ``socket.socket.family``/``.type`` convert to enum
 # members, which costs microseconds per handoff for a check.
@@ -484,6 +487,14 @@ class SmcSocket(_BaseSocket):
             return smc.channel.fileno()
         return super().fileno()
 
+    def setsockopt(self, level: int, optname: int, value: Any, *optlen: int) -> None:
+        """As on TCP (the option is the TCP socket's). A socket-level option may be
+        ``SO_RCVTIMEO``/``SO_SNDTIMEO``, which bound blocking calls here too: read again."""
+        super().setsockopt(level, optname, value, *optlen)
+        smc = self._smc
+        if smc is not None and level == _socket.SOL_SOCKET:
+            smc.timeo = None
+
     # -- handoff -------------------------------------------------------------------------------
 
     def _handoff(
@@ -667,6 +678,46 @@ class SmcSocket(_BaseSocket):
             raise _timeout()
         return left
 
+    def _blocking_until(self, smc: _Smc, sending: bool) -> float | None:
+        """When a blocking call that waits from now gives up: the socket's ``SO_RCVTIMEO``
+        (``SO_SNDTIMEO`` when ``sending``) as the kernel keeps it, None when it is not set.
+        The kernel's AF_SMC honours them as TCP does (``sock_rcvtimeo``/``sock_sndtimeo``):
+        the call then fails with ``EAGAIN``, or returns what it moved. Only blocking calls: a
+        socket timeout (``settimeout``) makes CPython poll a non-blocking descriptor, where
+        the kernel's never applies. Read once per connection, when a call first waits."""
+        timeo = smc.timeo
+        if timeo is None:
+            got = []
+            for opt in (_socket.SO_RCVTIMEO, _socket.SO_SNDTIMEO):
+                try:
+                    raw = _BaseSocket.getsockopt(self, _socket.SOL_SOCKET, opt, _TIMEVAL.size)
+                    sec, usec = _TIMEVAL.unpack(raw)
+                    got.append(sec + usec / 1e6)
+                except (OSError, struct.error):
+                    got.append(0.0)
+            timeo = smc.timeo = (got[0], got[1])
+        t = timeo[1] if sending else timeo[0]
+        return time.monotonic() + t if t > 0 else None
+
+    @staticmethod
+    def _wait_in(
+        wait: Callable[[float | None], bool], deadline: float | None, until: float | None
+    ) -> None:
+        """One wait of a call for data or room: within the socket timeout's ``deadline``
+        (``socket.timeout`` when it ends; EAGAIN at once when non-blocking), or, for a
+        blocking call (``deadline`` None), until ``until`` (``SO_RCVTIMEO``/``SO_SNDTIMEO``:
+        EAGAIN when it ends) or forever."""
+        if deadline is not None:
+            if not wait(SmcSocket._remaining(deadline)):
+                SmcSocket._remaining(deadline)  # raises timeout when it has expired
+            return
+        if until is None:
+            wait(None)
+            return
+        left = until - time.monotonic()
+        if left <= 0 or (not wait(left) and time.monotonic() >= until):
+            raise _eagain()
+
     @staticmethod
     def _check_flags(flags: Any, allowed: int = _RECV_FLAGS) -> int:
         """``flags`` as an int (refused as TCP refuses a non-integer). ``MSG_OOB`` (urgent
@@ -727,13 +778,15 @@ class SmcSocket(_BaseSocket):
         n = ch.recv_into(view)  # raises ConnectionResetError after an abort
         if n:
             return n
+        until: float | None = _UNSET
         while True:
             if ch.eof or smc.rd_shut:  # (SHUT_RD by another thread: what was there, then EOF)
                 return 0
             if deadline != 0.0:
                 smc.check_daemon(_BaseSocket.fileno(self))
-            if not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
-                self._remaining(deadline)  # raises timeout when it has expired
+            if until == _UNSET:
+                until = self._blocking_until(smc, False) if deadline is None else None
+            self._wait_in(ch.wait_readable, deadline, until)
             n = ch.recv_into(view)
             if n:
                 return n
@@ -760,6 +813,7 @@ class SmcSocket(_BaseSocket):
         deadline = self._deadline(flags)
         want = view.nbytes
         waitall = bool(flags & _MSG_WAITALL) and deadline is None
+        until = self._blocking_until(smc, False) if deadline is None else None
         if flags & _MSG_PEEK:
             while True:
                 n, done = ch.peek_into(view)
@@ -770,9 +824,11 @@ class SmcSocket(_BaseSocket):
                 if deadline != 0.0:
                     smc.check_daemon(fd)
                 if n:  # fewer than asked (MSG_WAITALL): what is there keeps it readable
+                    if until is not None and time.monotonic() >= until:
+                        return n  # SO_RCVTIMEO: what came, as the kernel's
                     time.sleep(_PEEK_NAP)
-                elif not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
-                    self._remaining(deadline)  # raises timeout when it has expired
+                else:
+                    self._wait_in(ch.wait_readable, deadline, until)
         got = 0
         while True:
             try:
@@ -787,8 +843,12 @@ class SmcSocket(_BaseSocket):
             if not n:
                 if deadline != 0.0:
                     smc.check_daemon(fd)
-                if not ch.wait_readable(self._remaining(deadline)) and deadline is not None:
-                    self._remaining(deadline)
+                try:
+                    self._wait_in(ch.wait_readable, deadline, until)
+                except BlockingIOError:
+                    if got:  # SO_RCVTIMEO ended a MSG_WAITALL read: what came, as the kernel's
+                        return got
+                    raise
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if self._live() is None:
@@ -933,7 +993,13 @@ class SmcSocket(_BaseSocket):
 
     # -- sending -------------------------------------------------------------------------------
 
-    def _send_some(self, smc: _Smc, view: memoryview, flags: int) -> int:
+    def _send_some(
+        self, smc: _Smc, view: memoryview, flags: int, until: float | None = _UNSET
+    ) -> int:
+        """What fits of ``view``, once there is room. ``until``: the end of a blocking call's
+        ``SO_SNDTIMEO`` (EAGAIN then), by default counted from the first wait here, so a
+        ``sendall`` fails only when no room came for that long (CPython's ``sendall`` calls
+        send(2) again after each partial send, with the whole timeout each time)."""
         ch = smc.channel
         n = ch.send_into(view)  # raises BrokenPipeError / ConnectionResetError as TCP would
         if n:
@@ -942,8 +1008,9 @@ class SmcSocket(_BaseSocket):
         while True:
             if deadline != 0.0:
                 smc.check_daemon(_BaseSocket.fileno(self))
-            if not ch.wait_writable(self._remaining(deadline)) and deadline is not None:
-                self._remaining(deadline)
+            if until == _UNSET:
+                until = self._blocking_until(smc, True) if deadline is None else None
+            self._wait_in(ch.wait_writable, deadline, until)
             n = ch.send_into(view)
             if n:
                 return n
@@ -974,14 +1041,17 @@ class SmcSocket(_BaseSocket):
 
     def _send_turn(self, smc: _Smc, view: memoryview, flags: int, deadline: float | None) -> int:
         """The rest of :meth:`send`, this thread's turn to write (``tx_lock``)."""
-        n = self._send_some(smc, view, flags)
+        # Blocking: SO_SNDTIMEO bounds the whole call, as the kernel's send(2) (EAGAIN when
+        # nothing went, else the count of what did).
+        until = self._blocking_until(smc, True) if deadline is None else None
+        n = self._send_some(smc, view, flags, until)
         if n < view.nbytes and deadline is None:
             # Blocking: all of it, as Linux TCP's (and the kernel AF_SMC's) send returns only
             # once everything is queued, so a program that drops the count loses nothing; an
             # error after some of it is the next call's, as there (the count says what went).
             try:
                 while n < view.nbytes:
-                    n += self._send_some(smc, view[n:], flags)
+                    n += self._send_some(smc, view[n:], flags, until)
             except OSError:
                 pass
         return n

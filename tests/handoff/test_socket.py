@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,9 +204,14 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return client, server
 
 
-def wrapped_pair(**kw: Any) -> tuple[SmcSocket, SmcSocket]:
-    """Both halves handed off concurrently (a real daemon answers each when both arrived)."""
+def wrapped_pair(
+    before: Callable[[socket.socket, socket.socket], None] | None = None, **kw: Any
+) -> tuple[SmcSocket, SmcSocket]:
+    """Both halves handed off concurrently (a real daemon answers each when both arrived);
+    ``before(client, server)`` is called on the TCP sockets first."""
     client, server = tcp_pair()
+    if before is not None:
+        before(client, server)
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -701,6 +706,103 @@ def test_shutdown_in_another_thread_fails_a_blocked_send(
     t.join(30)
     assert not t.is_alive(), "the blocked send was not woken by shutdown()"
     assert isinstance(got["r"], BrokenPipeError), got["r"]
+
+
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
+
+
+def _in_thread(call: Callable[[], Any], limit: float = 30.0) -> Any:
+    """``call()``'s result or exception, from a thread given ``limit`` seconds (a call that
+    does not return by then fails the test instead of hanging it)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["r"] = call()
+        except BaseException as e:
+            out["r"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), "the call never returned"
+    return out["r"]
+
+
+def test_so_rcvtimeo_bounds_a_blocking_recv(pair: tuple[Any, Any]) -> None:
+    """``SO_RCVTIMEO`` (set with ``setsockopt``, the C way to time a blocking socket out) ends a
+    blocking read that got nothing with ``EAGAIN``, as the kernel's TCP and AF_SMC
+    (``sock_rcvtimeo``) do; a ``MSG_WAITALL`` read that got some returns it. An SMC connection
+    ignored the option and waited for good. A socket timeout, where set, is CPython's own and
+    the option has no say."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.2))
+    assert struct.unpack("@ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (
+        0,
+        200000,
+    )
+    got = _in_thread(lambda: a.recv(10))
+    assert isinstance(got, BlockingIOError) and got.errno == errno.EAGAIN, got
+    got = _in_thread(lambda: a.recv_into(bytearray(10)))
+    assert isinstance(got, BlockingIOError) and got.errno == errno.EAGAIN, got
+    b.sendall(b"abc")
+    assert _in_thread(lambda: a.recv(10, socket.MSG_WAITALL)) == b"abc"
+    b.sendall(b"de")
+    assert readable(a, 5)
+    assert _in_thread(lambda: a.recv(10, socket.MSG_WAITALL | socket.MSG_PEEK)) == b"de"
+    assert a.recv(10) == b"de"
+    a.settimeout(0.3)  # CPython's timeout: socket.timeout, whatever SO_RCVTIMEO says
+    assert isinstance(_in_thread(lambda: a.recv(10)), TimeoutError)
+    a.settimeout(None)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))  # 0: no limit again
+    b.sendall(b"later")
+    assert _in_thread(lambda: recv_exactly(a, 5)) == b"later"
+
+
+def test_so_sndtimeo_bounds_a_blocking_send(pair: tuple[Any, Any]) -> None:
+    """``SO_SNDTIMEO`` ends a blocking send that finds no room for that long: ``send`` returns
+    what it queued, or raises ``EAGAIN`` when nothing went; ``sendall`` raises ``EAGAIN``, as
+    on TCP. An SMC connection waited for good behind a peer that does not read."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0.2))
+    chunk = b"s" * 65536
+
+    def fill() -> tuple[int, Any]:
+        sent = 0
+        try:
+            while True:
+                sent += a.send(chunk)
+        except OSError as e:
+            return sent, e
+
+    sent, err = _in_thread(fill)
+    assert isinstance(err, BlockingIOError) and err.errno == errno.EAGAIN, err
+    assert sent > 0
+    got = _in_thread(lambda: a.sendall(chunk))
+    assert isinstance(got, BlockingIOError) and got.errno == errno.EAGAIN, got
+    # Nothing that was queued is lost: the reader gets the stream, the count's bytes first.
+    head = recv_exactly(b, sent)
+    assert head == b"s" * sent
+
+
+def test_so_rcvtimeo_set_before_the_handoff_counts(
+    daemon: MiniDaemon,
+) -> None:
+    """The option set on the TCP socket before it became an SMC connection (or inherited from
+    a listener, as accepted sockets inherit it) bounds the SMC connection's reads too."""
+
+    def before(client: socket.socket, server: socket.socket) -> None:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.2))
+
+    a, b = wrapped_pair(before)
+    try:
+        assert a.mode == b.mode == "smcd"
+        got = _in_thread(lambda: a.recv(10))
+        assert isinstance(got, BlockingIOError) and got.errno == errno.EAGAIN, got
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("pair", ["smcd"], indirect=True)
