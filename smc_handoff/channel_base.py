@@ -22,6 +22,7 @@ from _socket import SOCK_SEQPACKET as _SOCK_SEQPACKET
 from _socket import socket as _CSocket
 from collections.abc import Callable
 from dataclasses import dataclass
+from os import set_blocking as _set_blocking  # the real one: smc-run wraps os's (run.py)
 from select import poll as _poll  # the real one: smc-run's readiness wrappers come later
 from typing import Any, Self
 
@@ -242,7 +243,7 @@ class ChannelBase:
             check_channel_size(tx_size)
             rx_mm = layout.map_dmb(rx_dmb_fd, rx_size)
             tx_mm = layout.map_dmb(tx_dmb_fd, tx_size)
-            os.set_blocking(rx_eventfd, False)
+            _set_blocking(rx_eventfd, False)
             # Family and type given: the daemon's (and make_pair's) link is always an AF_UNIX
             # SOCK_SEQPACKET socketpair end, and asking the kernel would cost two getsockopt.
             # A bare C socket: the kicks need nothing of the Python class.

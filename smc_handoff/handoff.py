@@ -646,6 +646,10 @@ class ChannelState:
     wr_shut: bool = False
     next_check: float = 0.0  # monotonic time of the next check_daemon (see there)
     deadline: float | None = None  # of the sendall() in progress (None: per call)
+    fd_nonblock: bool = False
+    """The program set ``O_NONBLOCK`` on ``fileno()`` itself (``fcntl``, ``os.set_blocking``):
+    calls of a socket without a timeout then do not wait, as on a TCP socket's descriptor,
+    until ``settimeout``/``setblocking`` sets the mode again."""
     timeo: tuple[float, float] | None = None
     """The TCP socket's ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` in seconds (0: none), which bound a
     blocking call's wait (``SmcSocket._blocking_until``); None until a blocking call first

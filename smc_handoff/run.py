@@ -353,8 +353,10 @@ def _patch_dup2() -> None:
 
 
 def _patch_fd_calls(fcntl: Any) -> None:
-    """``os.read``, ``os.write`` and ``fcntl.ioctl`` on an SMC connection's ``fileno()`` act
-    on the connection, as they act on a TCP socket's descriptor. That number is the channel's
+    """``os.read``, ``os.write``, ``os.sendfile``, ``fcntl.ioctl``, ``fcntl.fcntl``'s
+    ``F_GETFL``/``F_SETFL`` and ``os.get_blocking``/``os.set_blocking`` on an SMC
+    connection's ``fileno()`` act on the
+    connection, as they act on a TCP socket's descriptor. That number is the channel's
     eventfd: unpatched, ``os.read`` returned its 8-byte counter as if it were data, and
     ``os.write`` of 8 bytes added them to the counter and said they were sent. Any other
     number costs one dictionary look (an empty one while no SMC connection is open)."""
@@ -391,8 +393,54 @@ def _patch_fd_calls(fcntl: Any) -> None:
                 return _ioctl_answer(value, arg, mutate_flag)
         return ioctl(fd, request, arg, mutate_flag)
 
+    fcntl_call = fcntl.fcntl
+
+    @functools.wraps(fcntl_call)
+    def smc_fcntl(fd: Any, cmd: int, arg: Any = 0, /) -> Any:
+        if by_fd and type(arg) is int:
+            sock = fd if isinstance(fd, SmcSocket) else None
+            if sock is None and isinstance(fd, int):
+                sock = connection(fd)
+            if sock is not None:
+                value = sock.fd_fcntl(cmd, arg, fcntl_call)
+                if value is not None:
+                    return value
+        return fcntl_call(fd, cmd, arg)
+
+    get_blocking, set_blocking = os.get_blocking, os.set_blocking
+
+    @functools.wraps(get_blocking)
+    def smc_get_blocking(fd: int, /) -> bool:
+        if by_fd and (sock := connection(fd)) is not None:
+            flags = sock.fd_fcntl(fcntl.F_GETFL, 0, fcntl_call)
+            if flags is not None:
+                return not flags & os.O_NONBLOCK
+        result: bool = get_blocking(fd)
+        return result
+
+    @functools.wraps(set_blocking)
+    def smc_set_blocking(fd: int, blocking: bool, /) -> None:
+        if by_fd and (sock := connection(fd)) is not None:
+            flags = sock.fd_fcntl(fcntl.F_GETFL, 0, fcntl_call)
+            if flags is not None:
+                flags = flags & ~os.O_NONBLOCK if blocking else flags | os.O_NONBLOCK
+                sock.fd_fcntl(fcntl.F_SETFL, flags, fcntl_call)
+                return
+        set_blocking(fd, blocking)
+
+    sendfile = os.sendfile
+
+    @functools.wraps(sendfile)
+    def smc_sendfile(out_fd: int, in_fd: int, offset: int | None, count: int, /) -> int:
+        if by_fd and (sock := connection(out_fd)) is not None:
+            return sock.fd_sendfile(in_fd, offset, count)
+        n: int = sendfile(out_fd, in_fd, offset, count)
+        return n
+
     smc_read._smc_fd = True  # type: ignore[attr-defined]
     os.read, os.write, fcntl.ioctl = smc_read, smc_write, smc_ioctl
+    os.sendfile = smc_sendfile  # type: ignore[assignment]
+    fcntl.fcntl, os.get_blocking, os.set_blocking = smc_fcntl, smc_get_blocking, smc_set_blocking
 
 
 def _ioctl_answer(value: int, arg: Any, mutate_flag: bool) -> Any:

@@ -114,6 +114,9 @@ _RECV_FLAGS = (
 #: How long a ``MSG_PEEK | MSG_WAITALL`` read naps while fewer bytes than asked are there (a
 #: wait for readability returns at once then: what is there is unread).
 _PEEK_NAP = 0.0005
+_SENDFILE_MAX = 1 << 20
+_F_GETFL = 3  # fcntl's (the module is not imported here)
+_F_SETFL = 4
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO/SO_SNDTIMEO: struct timeval
 _UNSET = -1.0
 """A blocking call's ``until`` (see ``SmcSocket._blocking_until``) before it first waits."""
@@ -487,6 +490,37 @@ class SmcSocket(_BaseSocket):
             return smc.channel.fileno()
         return super().fileno()
 
+    def settimeout(self, value: float | None) -> None:
+        super().settimeout(value)
+        smc = self._smc
+        if smc is not None:
+            smc.fd_nonblock = False  # CPython set O_NONBLOCK for its own mode
+
+    def setblocking(self, flag: bool) -> None:
+        super().setblocking(flag)
+        smc = self._smc
+        if smc is not None:
+            smc.fd_nonblock = False
+
+    def fd_fcntl(self, cmd: int, arg: int, fcntl: Callable[[int, int, int], int]) -> int | None:
+        """``fcntl(fileno(), F_GETFL/F_SETFL)`` on an SMC connection, as on the TCP socket's
+        descriptor (``os.get_blocking``/``os.set_blocking`` are these): the status flags are
+        the TCP socket's, whose ``O_NONBLOCK`` CPython sets for a timeout or non-blocking mode,
+        and a program's own ``O_NONBLOCK`` makes the calls of a socket without a timeout
+        return ``EAGAIN`` instead of waiting, as on TCP. (``fileno()`` is an eventfd, always
+        non-blocking: unpatched, a blocking socket looked non-blocking, and setting the flag
+        changed nothing: a read waited where TCP's fails.) None: another command, or not on
+        SMC (``fcntl`` answers for the descriptor itself)."""
+        smc = self._live()
+        if smc is None or cmd not in (_F_GETFL, _F_SETFL):
+            return None
+        tcp = _BaseSocket.fileno(self)
+        if cmd == _F_GETFL:
+            return fcntl(tcp, cmd, 0)
+        result = fcntl(tcp, cmd, arg)
+        smc.fd_nonblock = bool(arg & os.O_NONBLOCK)
+        return result
+
     def setsockopt(self, level: int, optname: int, value: Any, *optlen: int) -> None:
         """As on TCP (the option is the TCP socket's). A socket-level option may be
         ``SO_RCVTIMEO``/``SO_SNDTIMEO``, which bound blocking calls here too: read again."""
@@ -664,7 +698,8 @@ class SmcSocket(_BaseSocket):
             return 0.0
         timeout = self.gettimeout()
         if timeout is None:
-            return None
+            smc = self._smc
+            return 0.0 if smc is not None and smc.fd_nonblock else None
         return 0.0 if timeout == 0 else time.monotonic() + timeout
 
     @staticmethod
@@ -739,7 +774,12 @@ class SmcSocket(_BaseSocket):
                     n = ch.recv_fast(buffer)  # the fast path: data there, one copy
                     # Blocking and nothing yet: spin for the peer's store before the long way
                     # (whose set-up would delay a ping-pong's reply by microseconds).
-                    if not n and self.gettimeout() is None and ch.spin_readable():
+                    if (
+                        not n
+                        and self.gettimeout() is None
+                        and not smc.fd_nonblock
+                        and ch.spin_readable()
+                    ):
                         n = ch.recv_fast(buffer)
                 except ValueError as e:  # (released views: closed by another thread)
                     raise _closed_meanwhile(smc.channel, e) from None
@@ -886,6 +926,34 @@ class SmcSocket(_BaseSocket):
         """``os.write(fileno(), data)``: what write(2) gives on the TCP socket (see
         :meth:`fd_read` for when it waits)."""
         return self.send(data, 0 if self.gettimeout() is None else _MSG_DONTWAIT)
+
+    def fd_sendfile(self, in_fd: int, offset: int | None, count: int) -> int:
+        """``os.sendfile(fileno(), in_fd, offset, count)``: sendfile(2) into the TCP socket's
+        descriptor copies from the file into the connection; an SMC connection's number is an
+        eventfd, which sendfile(2) refuses (``EINVAL``, where the program worked on TCP). So:
+        up to ``count`` bytes (at most 1 MiB a call: sendfile's callers loop) read at
+        ``offset``, or at the file's position, which then moves by what was sent, and sent
+        as :meth:`fd_write` sends (waiting as the socket's mode says). The count sent, 0 at
+        the file's end. A source without a position (a pipe, a socket) gets the ``EINVAL``
+        sendfile(2) gives for it toward a TCP socket."""
+        pos = offset
+        if pos is None:
+            try:
+                pos = os.lseek(in_fd, 0, os.SEEK_CUR)
+            except OSError as e:
+                if e.errno == errno.ESPIPE:
+                    raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from None
+                raise
+        n = min(count, _SENDFILE_MAX) if count > 0 else 0
+        if n == 0:
+            return 0
+        data = os.pread(in_fd, n, pos)
+        if not data:
+            return 0
+        sent = self.fd_write(data)
+        if offset is None:
+            os.lseek(in_fd, pos + sent, os.SEEK_SET)
+        return sent
 
     def fd_ioctl(self, request: int) -> int | None:
         """``ioctl(fileno(), request)``'s answer on an SMC connection, as the kernel's AF_SMC

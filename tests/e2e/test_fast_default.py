@@ -1133,6 +1133,174 @@ def test_os_read_write_and_fionread_on_the_descriptor_act_on_the_connection(
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+FCNTL_SERVER = r"""
+import socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+while data := conn.recv(100):
+    conn.sendall(data)
+conn.close()
+"""
+
+FCNTL_CLIENT = r"""
+import fcntl, os, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+fd = sock.fileno()
+
+def state():
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    return os.get_blocking(fd), bool(flags & os.O_NONBLOCK), flags & os.O_ACCMODE == os.O_RDWR
+
+def tries():
+    try:
+        return repr(sock.recv(10))
+    except BlockingIOError:
+        return "EAGAIN"
+
+def echo(b):
+    sock.sendall(b)
+    got = b""
+    while len(got) < len(b):
+        got += sock.recv(len(b) - len(got))
+    return got.decode()
+
+print("fresh", state(), sock.gettimeout())
+os.set_blocking(fd, False)
+print("set_blocking(False)", state(), sock.gettimeout(), tries())
+os.set_blocking(fd, True)
+print("set_blocking(True)", state(), echo(b"a"))
+saved = fcntl.fcntl(fd, fcntl.F_GETFL)
+fcntl.fcntl(sock, fcntl.F_SETFL, saved | os.O_NONBLOCK)
+print("F_SETFL O_NONBLOCK", state(), tries())
+try:
+    os.read(fd, 5)
+    print("os.read read")
+except BlockingIOError:
+    print("os.read EAGAIN")
+fcntl.fcntl(fd, fcntl.F_SETFL, saved)
+print("F_SETFL restored", state(), echo(b"bc"))
+os.set_blocking(fd, False)
+sock.settimeout(None)
+print("settimeout(None) after", state(), echo(b"d"))
+sock.settimeout(5)
+print("settimeout(5)", state())
+sock.setblocking(True)
+print("setblocking(True)", state(), echo(b"e"))
+sock.close()
+print("DONE")
+"""
+
+
+def test_fcntl_and_os_set_blocking_on_the_descriptor_act_on_the_connection(
+    nocfg: PrivateSmcd,
+) -> None:
+    """``os.set_blocking``/``os.get_blocking`` and ``fcntl.fcntl(F_GETFL/F_SETFL)`` on a
+    connection's ``fileno()``, as generic descriptor code uses them on a TCP socket's (and as
+    C programs make a socket non-blocking), first on plain TCP (the oracle), then under
+    smc-run, which must print the same. The number is the channel's eventfd, always
+    non-blocking: a blocking socket said ``O_NONBLOCK``, and setting it changed nothing, so a
+    read that TCP fails with EAGAIN waited for good."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(nocfg)
+    server = subprocess.Popen([*plain, FCNTL_SERVER], env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        tcp = subprocess.run([*plain, FCNTL_CLIENT, port], capture_output=True, text=True,
+                             env=env, timeout=60)  # fmt: skip
+        server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert tcp.returncode == 0 and tcp.stdout.endswith("DONE\n"), tcp.stderr
+    assert "EAGAIN" in tcp.stdout and "os.read EAGAIN" in tcp.stdout, tcp.stdout
+    client, _sout, serr = _talk(nocfg, FCNTL_SERVER, FCNTL_CLIENT)
+    assert client.returncode == 0, (client.stderr, serr)
+    assert client.stdout == tcp.stdout, (client.stdout, tcp.stdout)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
+SENDFILE_SERVER = r"""
+import hashlib, os, socket, sys, tempfile
+data = os.urandom(3_000_000)
+with tempfile.TemporaryFile() as f:
+    f.write(data)
+    f.flush()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    print("PORT", lsock.getsockname()[1], flush=True)
+    conn, _ = lsock.accept()
+    fd = conn.fileno()
+    # 1. explicit offsets, as servers of files do it (the file's position stays put)
+    f.seek(123)
+    off = 0
+    while off < len(data):
+        off += os.sendfile(fd, f.fileno(), off, len(data) - off)
+    assert f.tell() == 123, f.tell()
+    # 2. offset None: from the file's position, which moves by what was sent
+    f.seek(1_000_000)
+    while n := os.sendfile(fd, f.fileno(), None, 1 << 30):
+        pass
+    assert f.tell() == len(data), f.tell()
+    # 3. a pipe as the source: EINVAL toward a TCP socket (nothing read from the pipe)
+    r, w = os.pipe()
+    os.write(w, b"p" * 100)
+    try:
+        os.sendfile(fd, r, None, 65536)
+        print("PIPE sent", flush=True)
+    except OSError as e:
+        print("PIPE", e.errno, len(os.read(r, 1000)), flush=True)
+    os.close(r)
+    os.close(w)
+    conn.shutdown(socket.SHUT_WR)
+    print("SENT", hashlib.sha256(data + data[1_000_000:]).hexdigest(), flush=True)
+    conn.recv(1)
+    conn.close()
+"""
+
+SENDFILE_CLIENT = r"""
+import hashlib, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+got = bytearray()
+while chunk := sock.recv(1 << 20):
+    got += chunk
+sock.close()
+print("GOT", len(got), hashlib.sha256(got).hexdigest(), flush=True)
+"""
+
+
+def test_os_sendfile_into_the_descriptor_sends_over_the_connection(nocfg: PrivateSmcd) -> None:
+    """``os.sendfile(sock.fileno(), file, ...)``, as file servers call it themselves (with an
+    offset, with the file's position; a pipe is refused), first on plain TCP (the oracle),
+    then under smc-run. The descriptor of an SMC connection is an eventfd, which sendfile(2)
+    refuses: the server failed with EINVAL and the client got nothing. Now every byte arrives,
+    in order."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(nocfg)
+    server = subprocess.Popen([*plain, SENDFILE_SERVER], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        tcp = subprocess.run([*plain, SENDFILE_CLIENT, port], capture_output=True, text=True,
+                             env=env, timeout=60)  # fmt: skip
+        tout, terr = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    want = 3_000_000 + 2_000_000
+    assert tout.startswith("PIPE 22 100\nSENT "), (tout, terr)
+    digest = tout.split()[-1]
+    assert tcp.stdout == f"GOT {want} {digest}\n", (tcp.stdout, tout, terr)
+    client, sout, serr = _talk(nocfg, SENDFILE_SERVER, SENDFILE_CLIENT)
+    assert client.returncode == 0, (client.stderr, serr)
+    assert sout.startswith("PIPE 22 100\nSENT "), (sout, serr)
+    digest = sout.split()[-1]
+    assert client.stdout == f"GOT {want} {digest}\n", (client.stdout, sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 SLOW_READER = r"""
 import hashlib, socket, time
 lsock = socket.create_server(("127.0.0.1", 0))
