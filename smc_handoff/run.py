@@ -353,9 +353,9 @@ def _patch_dup2() -> None:
 
 
 def _patch_fd_calls(fcntl: Any) -> None:
-    """``os.read``, ``os.write``, ``os.sendfile``, ``fcntl.ioctl``, ``fcntl.fcntl``'s
-    ``F_GETFL``/``F_SETFL`` and ``os.get_blocking``/``os.set_blocking`` on an SMC
-    connection's ``fileno()`` act on the
+    """``os.read``, ``os.write``, ``os.readv``, ``os.writev``, ``os.sendfile``,
+    ``fcntl.ioctl``, ``fcntl.fcntl``'s ``F_GETFL``/``F_SETFL`` and
+    ``os.get_blocking``/``os.set_blocking`` on an SMC connection's ``fileno()`` act on the
     connection, as they act on a TCP socket's descriptor. That number is the channel's
     eventfd: unpatched, ``os.read`` returned its 8-byte counter as if it were data, and
     ``os.write`` of 8 bytes added them to the counter and said they were sent. Any other
@@ -428,6 +428,22 @@ def _patch_fd_calls(fcntl: Any) -> None:
                 return
         set_blocking(fd, blocking)
 
+    readv, writev = os.readv, os.writev
+
+    @functools.wraps(readv)
+    def smc_readv(fd: int, buffers: Any, /) -> int:
+        if by_fd and (sock := connection(fd)) is not None:
+            return sock.fd_readv(buffers)
+        n: int = readv(fd, buffers)
+        return n
+
+    @functools.wraps(writev)
+    def smc_writev(fd: int, buffers: Any, /) -> int:
+        if by_fd and (sock := connection(fd)) is not None:
+            return sock.fd_writev(buffers)
+        n: int = writev(fd, buffers)
+        return n
+
     sendfile = os.sendfile
 
     @functools.wraps(sendfile)
@@ -440,6 +456,7 @@ def _patch_fd_calls(fcntl: Any) -> None:
     smc_read._smc_fd = True  # type: ignore[attr-defined]
     os.read, os.write, fcntl.ioctl = smc_read, smc_write, smc_ioctl
     os.sendfile = smc_sendfile  # type: ignore[assignment]
+    os.readv, os.writev = smc_readv, smc_writev
     fcntl.fcntl, os.get_blocking, os.set_blocking = smc_fcntl, smc_get_blocking, smc_set_blocking
 
 

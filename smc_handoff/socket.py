@@ -927,6 +927,32 @@ class SmcSocket(_BaseSocket):
         :meth:`fd_read` for when it waits)."""
         return self.send(data, 0 if self.gettimeout() is None else _MSG_DONTWAIT)
 
+    def fd_readv(self, buffers: Any) -> int:
+        """``os.readv(fileno(), buffers)``: what readv(2) gives on the TCP socket, the bytes of
+        one read (see :meth:`fd_read`) spread over the buffers in order. (Unpatched, it read
+        the eventfd's 8-byte counter as data.)"""
+        views = []
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if view.readonly:
+                raise TypeError("readv() arg 2 must be a sequence of writable buffers")
+            views.append(view)
+        data = self.fd_read(sum(view.nbytes for view in views))
+        at = 0
+        for view in views:
+            if at >= len(data):
+                break
+            k = min(view.nbytes, len(data) - at)
+            view[:k] = data[at : at + k]
+            at += k
+        return len(data)
+
+    def fd_writev(self, buffers: Any) -> int:
+        """``os.writev(fileno(), buffers)``: what writev(2) gives on the TCP socket, the
+        buffers' bytes in order as one write (see :meth:`fd_write`). (Unpatched, 8 bytes in all
+        went into the eventfd's counter, any other count failed with EINVAL.)"""
+        return self.fd_write(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))
+
     def fd_sendfile(self, in_fd: int, offset: int | None, count: int) -> int:
         """``os.sendfile(fileno(), in_fd, offset, count)``: sendfile(2) into the TCP socket's
         descriptor copies from the file into the connection; an SMC connection's number is an

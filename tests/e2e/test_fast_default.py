@@ -1187,6 +1187,10 @@ sock.settimeout(5)
 print("settimeout(5)", state())
 sock.setblocking(True)
 print("setblocking(True)", state(), echo(b"e"))
+print("writev", os.writev(fd, [b"hel", memoryview(b"lo"), bytearray(b"!")]))
+first, rest = bytearray(2), bytearray(10)
+n = os.readv(fd, [first, rest])
+print("readv", n, bytes(first), bytes(rest[: n - 2]))
 sock.close()
 print("DONE")
 """
@@ -1195,12 +1199,14 @@ print("DONE")
 def test_fcntl_and_os_set_blocking_on_the_descriptor_act_on_the_connection(
     nocfg: PrivateSmcd,
 ) -> None:
-    """``os.set_blocking``/``os.get_blocking`` and ``fcntl.fcntl(F_GETFL/F_SETFL)`` on a
-    connection's ``fileno()``, as generic descriptor code uses them on a TCP socket's (and as
-    C programs make a socket non-blocking), first on plain TCP (the oracle), then under
-    smc-run, which must print the same. The number is the channel's eventfd, always
-    non-blocking: a blocking socket said ``O_NONBLOCK``, and setting it changed nothing, so a
-    read that TCP fails with EAGAIN waited for good."""
+    """``os.set_blocking``/``os.get_blocking``, ``fcntl.fcntl(F_GETFL/F_SETFL)`` and
+    ``os.readv``/``os.writev`` on a connection's ``fileno()``, as generic descriptor code uses
+    them on a TCP socket's (and as C programs make a socket non-blocking), first on plain TCP
+    (the oracle), then under smc-run, which must print the same. The number is the channel's
+    eventfd, always non-blocking: a blocking socket said ``O_NONBLOCK``, and setting it
+    changed nothing, so a read that TCP fails with EAGAIN waited for good; ``writev`` failed
+    with EINVAL (8 bytes in all would have vanished into the counter) and ``readv`` read the
+    counter."""
     plain = [os.fspath(PYTHON), "-c"]
     env = _env(nocfg)
     server = subprocess.Popen([*plain, FCNTL_SERVER], env=env, text=True, stdout=subprocess.PIPE,
