@@ -92,8 +92,13 @@ ABORT_WORD = PEER_CONN_ABORT << CSFLAGS_SHIFT
 BUF_TYPES = (bytearray, memoryview)
 #: Copies larger than this are published piece by piece (see send_into/recv_into).
 PIECE = 64 << 10
-#: Longest single nap after the first (the peer link and the eventfd wake us before that).
+#: The nap after the first (the peer link and the eventfd wake us before that): it doubles with
+#: each nap that ends with nothing new, up to :data:`_SLEEP_CAP_MAX_S`.
 _SLEEP_CAP_S = 1.0
+#: Why naps end at all: a safety net, which the wake-up protocol never needs (see ``layout``).
+#: Why they grow: every idle blocking reader used to wake once a second (500 idle threads of a
+#: ThreadingTCPServer: 1.2 % of a CPU), where TCP's sleep until something happens.
+_SLEEP_CAP_MAX_S = 30.0
 LEVEL_FDS: set[int] = set()
 """The eventfds of this process's channels in level mode (``fileno()``): what smc-run's polls
 check a readable report of (:meth:`Channel.readable_now`); any other descriptor's report is
@@ -531,6 +536,7 @@ class ChannelBase:
         self._closed = True
         self._fence = True
         self._stop_fast()
+        self._wake_sleepers()  # a call waiting in another thread fails now (EBADF), not later
         _live.discard(self)
         if self._level:
             link_watcher().remove(self._link_fd)
@@ -614,6 +620,7 @@ class ChannelBase:
         poller = self._poller(on_link)
         try:
             woken = False
+            cap = _SLEEP_CAP_S
             while True:
                 fresh = self._arm(w, on_link, woken)
                 if not on_link:  # before looking: a kick after the look stays readable
@@ -623,7 +630,7 @@ class ChannelBase:
                 # (draining first cost a failing recv, and its exception, on every sleep).
                 if ready():
                     return True
-                nap = layout.SAFETY_NET_S if fresh else _SLEEP_CAP_S
+                nap = layout.SAFETY_NET_S if fresh else cap
                 if deadline is not None:
                     nap = min(nap, deadline - time.monotonic())
                     if nap <= 0:
@@ -636,6 +643,8 @@ class ChannelBase:
                         if not self._closed and not poller.poll(20):
                             self._n_missed += 1  # the safety net caught a lost wakeup
                         return True
+                    if not fresh:
+                        cap = min(cap * 2, _SLEEP_CAP_MAX_S)
                     continue
                 woken = True
                 for fd, ev in events:
