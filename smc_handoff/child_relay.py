@@ -28,6 +28,8 @@ inetd-style parent closes its copy right after starting the child). The ways:
 - ``subprocess`` with the connection (or its ``fileno()``) as stdin, stdout or stderr;
 - a forked process that ``os.dup2()``s ``fileno()`` onto its standard streams and ``exec``s
   (``http.server``'s CGI handler): ``os.dup2`` copies the relay's socket;
+- a program ``exec``ed with ``fileno()`` made inheritable (``os.set_inheritable``), its number
+  passed on the command line or in the environment: it finds the relay's socket there;
 - ``Popen(..., pass_fds=[conn.fileno()])``: the child finds the relay's socket at that very
   number (for the length of ``Popen``, the number is moved onto the socket and back; the
   caller's copy is the relay's by then, and uses no descriptor until it is closed);
@@ -52,7 +54,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff.socket import SmcSocket, connection_at, is_eventfd
+from smc_handoff.socket import SmcSocket, by_fileno, connection_at, is_eventfd
 
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
@@ -63,7 +65,9 @@ __all__ = [
     "install",
     "install_pickling",
     "relay_fd",
+    "relay_inherited",
     "relay_rights",
+    "restore_inherited",
     "shared_relay",
 ]
 
@@ -344,6 +348,36 @@ def relay_rights(ancdata: list[Any]) -> list[Any] | None:
         out.append((level, kind, fds) if swapped else item)
         changed = changed or swapped
     return out if changed else None
+
+
+def relay_inherited() -> list[tuple[int, int]]:
+    """Before ``exec``: put a relay's socket at the number of every SMC connection whose
+    ``fileno()`` the program made inheritable (``os.set_inheritable``, to name the number to
+    the new program, as inetd-style code passes a TCP socket's), since the program that comes
+    cannot use an eventfd as a stream. Returns (number, saved eventfd) pairs for
+    :func:`restore_inherited` should the exec fail (the relay owns the connection then: the
+    process's copy raises ``EBUSY``; smc-run execs only a file it may execute)."""
+    moved: list[tuple[int, int]] = []
+    for fd in list(by_fileno):
+        try:
+            if not os.get_inheritable(fd):
+                continue
+        except OSError:
+            continue
+        sock = connection_of(fd)
+        if sock is None:
+            continue
+        relay = shared_relay(sock)
+        moved.append((fd, os.dup(fd)))
+        _raw_dup2(relay, fd, inheritable=True)
+    return moved
+
+
+def restore_inherited(moved: list[tuple[int, int]]) -> None:
+    """The exec failed and the process goes on: each number is its eventfd again."""
+    for fd, saved in moved:
+        _raw_dup2(saved, fd, inheritable=True)
+        os.close(saved)
 
 
 def dup2_source(fd: int) -> int:

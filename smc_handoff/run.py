@@ -350,6 +350,45 @@ def _patch_dup2() -> None:
 
     smc_dup2._smc_relay = True  # type: ignore[attr-defined]
     os.dup2 = smc_dup2
+    _patch_exec()
+
+
+def _runnable(path: Any) -> bool:
+    """Can ``exec`` of ``path`` succeed (a file we may execute; a descriptor, ``fexecve``, is
+    taken as one)? A relay owns the connection it serves: made for an exec that then fails
+    (``os.execvp`` tries each ``PATH`` entry in turn), it would leave the process's copy
+    unusable (``EBUSY``), where a TCP socket is as it was."""
+    if isinstance(path, int):
+        return True
+    try:
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+    except (TypeError, ValueError):
+        return False
+
+
+def _patch_exec() -> None:
+    """``os.execv``/``os.execve`` (every ``os.exec*`` ends in one) give the new program a
+    relay's socket at the number of each SMC connection made inheritable
+    (:func:`smc_handoff.child_relay.relay_inherited`); with none open, one dictionary look."""
+    by_fd = _smc_socket.by_fileno
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(real)
+        def smc_exec(*args: Any) -> Any:
+            if not by_fd or not _runnable(args[0] if args else None):
+                return real(*args)  # (one that cannot run fails as it fails, nothing moved)
+            from smc_handoff import child_relay
+
+            moved = child_relay.relay_inherited()
+            try:
+                return real(*args)
+            finally:  # only when the exec failed after all: the numbers are the eventfds again
+                child_relay.restore_inherited(moved)
+
+        return smc_exec
+
+    os.execv = wrap(os.execv)
+    os.execve = wrap(os.execve)
 
 
 def _patch_fd_calls(fcntl: Any) -> None:

@@ -920,6 +920,62 @@ def test_an_inetd_style_server_gives_the_connection_to_its_child(nocfg: PrivateS
     _relays_end("inetd-style-server-marker")
 
 
+EXEC_SERVER = r"""
+import os, socket, sys  # exec-inherit-marker
+ECHO = ("import os, sys\nfd = int(sys.argv[1])\n"
+        "while d := os.read(fd, 65536):\n    os.write(fd, d.upper())")
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+fd = conn.fileno()
+os.set_inheritable(fd, True)  # the number is named to the program that comes
+try:
+    os.execv("/nonexistent/program", ["program"])
+except OSError as e:
+    print("EXEC FAILED", e.errno, flush=True)
+conn.sendall(b"parent still here\n")  # a failed exec leaves the connection as it was
+pid = os.fork()
+if pid == 0:  # python -S: no smc-run in it, as any other program that is not Python
+    os.execv(sys.executable, [sys.executable, "-S", "-c", ECHO, str(fd)])
+conn.close()
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+EXEC_CLIENT = r"""
+import socket, sys, threading
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+data = b"exec me " * 300_000
+def send():
+    sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+threading.Thread(target=send).start()
+got = bytearray()
+while chunk := sock.recv(1 << 20):
+    got += chunk
+head = b"parent still here\n"
+assert got[: len(head)] == head, got[:40]
+assert got[len(head):] == data.upper(), (len(got), len(data))
+print("EXEC OK", flush=True)
+"""
+
+
+def test_a_program_execed_with_the_inherited_descriptor_talks_over_it(
+    nocfg: PrivateSmcd,
+) -> None:
+    """A server makes the connection's ``fileno()`` inheritable and ``exec``s a program that
+    is given the number (here ``python -S``, which runs nothing of smc-run, as any program
+    that is not Python): the program reads and writes the connection through a relay's socket
+    at that number (it found the channel's eventfd there and failed with EINVAL). An exec that
+    fails leaves the connection as it was. The relay ends with the connection."""
+    client, sout, serr = _talk(nocfg, EXEC_SERVER, EXEC_CLIENT)
+    assert client.returncode == 0 and client.stdout == "EXEC OK\n", (client.stderr, serr)
+    assert sout == "EXEC FAILED 2\nCHILD 0\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+    _relays_end("exec-inherit-marker")
+
+
 CGI_SCRIPT = """#!/usr/bin/python3
 import os, sys
 body = sys.stdin.buffer.read(int(os.environ.get("CONTENT_LENGTH") or 0))
