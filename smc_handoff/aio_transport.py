@@ -45,7 +45,7 @@ import contextlib
 import os
 import socket as _socket
 import threading
-from asyncio import trsock
+from asyncio import constants, transports, trsock
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -159,13 +159,20 @@ def _server_call(server: Any, name: str, transport: asyncio.BaseTransport) -> No
         method()
 
 
-class SmcTransport(asyncio.Transport):
+class SmcTransport(transports._FlowControlMixin):
     """A stream transport over an :class:`SmcSocket` in SMC mode (see the module docstring)."""
 
     _start_tls_compatible = True
     """``loop.start_tls()`` (STARTTLS: ``StreamWriter.start_tls``, a protocol's upgrade) layers
     asyncio's TLS protocol over this transport, as over its own socket transport: TLS then runs
     over the channel. Without it start_tls raised TypeError where TCP works."""
+
+    _sendfile_compatible = constants._SendfileMode.FALLBACK
+    """``loop.sendfile(transport, file)`` reads the file and writes it to this transport (as it
+    does for a TLS transport): the data goes over the channel. Without it sendfile raised
+    RuntimeError ("not supported for transport") where TCP sends the file; asyncio's fallback
+    takes only a ``_FlowControlMixin`` (whose flow control this class has of its own: its
+    methods are this class's)."""
 
     def __init__(
         self,
@@ -184,7 +191,7 @@ class SmcTransport(asyncio.Transport):
         with contextlib.suppress(OSError):
             info["peername"] = sock.getpeername()
         info.update(extra or {})
-        super().__init__(info)
+        super().__init__(info, loop)
         self._loop = loop
         self._sock = sock
         sock.setblocking(False)

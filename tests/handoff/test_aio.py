@@ -74,6 +74,40 @@ def test_echo_streams(setup: str) -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_loop_sendfile_sends_a_file_over_the_transport(setup: str, tmp_path: Path) -> None:
+    """``loop.sendfile(transport, file)`` (a server sending a file, then reading on): the file
+    arrives intact through a 16 KiB ring, and the protocol reads again afterwards. On an SMC
+    transport it raised RuntimeError ("sendfile is not supported for transport"), which ended
+    the handler and left the client waiting for good."""
+    data = os.urandom(3 << 20)
+    path = tmp_path / "file"
+    path.write_bytes(data)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with path.open("rb") as f:
+            sent = await asyncio.get_running_loop().sendfile(writer.transport, f, 1000)
+        writer.write(b"END%d" % sent)
+        await writer.drain()
+        assert await reader.readexactly(4) == b"done"  # reading works again after sendfile
+        writer.close()
+        await writer.wait_closed()
+
+    async def main() -> None:
+        async with await aio.start_server(serve, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            reader, writer = await aio.open_connection("127.0.0.1", port)
+            assert aio.smc_socket(writer).mode == setup
+            got = await reader.readexactly(len(data) - 1000)
+            assert got == data[1000:]
+            assert await reader.readexactly(10) == b"END%d" % (len(data) - 1000)
+            writer.write(b"done")
+            assert await reader.read() == b""
+            writer.close()
+            await writer.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_lines_and_transport_abort(setup: str) -> None:
     async def main() -> None:
         seen: asyncio.Future[str] = asyncio.get_running_loop().create_future()
