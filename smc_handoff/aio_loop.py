@@ -142,8 +142,10 @@ def install() -> None:
 
     @functools.wraps(sock_connect)
     async def smc_sock_connect(self: Any, sock: Any, address: Any) -> None:
-        if isinstance(sock, run.AutoSocket) and not _no_upgrade.get():
-            sock.mark_for_handoff()  # the SYN asks for SMC (the daemon's peer detection)
+        if isinstance(sock, run.AutoSocket):
+            sock.loop_connects = True  # its non-blocking connect is the loop's, not a program's
+            if not _no_upgrade.get():
+                sock.mark_for_handoff()  # the SYN asks for SMC (the daemon's peer detection)
         await sock_connect(self, sock, address)
         await _hand_off_client(sock, address)
 

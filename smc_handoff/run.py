@@ -132,6 +132,8 @@ class AutoSocket(SmcSocket):
 
     _registration: Registration | None
     _upgrade = True  # False in ssl.SSLSocket, which subclasses us once smc-run is installed
+    loop_connects = False
+    """asyncio connects this socket (its ``sock_connect``), and hands it off itself."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -194,15 +196,26 @@ class AutoSocket(SmcSocket):
 
     def connect(self, address: Any) -> None:
         self._mark()
+        if _verbose and self.gettimeout() == 0:
+            self._report_nonblocking(address)
         super().connect(address)
         self._upgrade_client(address)
 
     def connect_ex(self, address: Any) -> int:
         self._mark()
+        if _verbose and self.gettimeout() == 0:
+            self._report_nonblocking(address)
         rc = super().connect_ex(address)
         if rc == 0:
             self._upgrade_client(address)
         return rc
+
+    def _report_nonblocking(self, address: Any) -> None:
+        """``smc-run -v``: a program's own event loop connects without blocking; that
+        connection stays on TCP (asyncio's are handed off by the loop and reported there)."""
+        if self._upgrade and _eligible(self) and not self.loop_connects and self._smc is None:
+            report_tcp("connect", address, "a non-blocking connect of the program's own event "
+                       "loop: smc-run hands off blocking connects and asyncio's")  # fmt: skip
 
     def listen(self, *backlog: int) -> None:
         super().listen(*backlog)

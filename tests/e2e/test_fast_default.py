@@ -1363,6 +1363,38 @@ def test_os_sendfile_into_the_descriptor_sends_over_the_connection(nocfg: Privat
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+NONBLOCKING_CLIENT = r"""
+import errno, selectors, socket, sys
+sel = selectors.DefaultSelector()
+sock = socket.socket()
+sock.setblocking(False)
+assert sock.connect_ex(("127.0.0.1", int(sys.argv[1]))) in (0, errno.EINPROGRESS)
+sel.register(sock, selectors.EVENT_WRITE)
+assert sel.select(10)
+sel.unregister(sock)
+assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+sock.setblocking(True)
+sock.sendall(b"ping")
+sock.shutdown(socket.SHUT_WR)
+got = b""
+while chunk := sock.recv(100):
+    got += chunk
+print(got.decode(), flush=True)
+"""
+
+
+def test_a_non_blocking_connect_says_why_it_stays_on_tcp(nocfg: PrivateSmcd) -> None:
+    """A program's own event loop connects without blocking: smc-run leaves that connection on
+    TCP (the program watches the TCP descriptor) and ``-v`` says so, where it said nothing;
+    the server falls back as soon as the client's first bytes are not a Proposal."""
+    client, _sout, serr = _talk(nocfg, FCNTL_SERVER, NONBLOCKING_CLIENT)
+    assert client.returncode == 0 and client.stdout == "ping\n", (client.stderr, serr)
+    modes = _modes(client.stderr)
+    assert len(modes) == 1 and modes[0][:2] == ("connect", "tcp"), client.stderr
+    assert "non-blocking connect" in (modes[0][2] or ""), client.stderr
+    assert [m[:2] for m in _modes(serr)] == [("accept", "tcp")], serr
+
+
 SLOW_READER = r"""
 import hashlib, socket, time
 lsock = socket.create_server(("127.0.0.1", 0))
