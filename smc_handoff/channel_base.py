@@ -674,7 +674,8 @@ class ChannelBase:
             if self._link_wake != wake:  # another thread sleeps here now: its wake-up fd
                 if self._link_wake >= 0:
                     poller.unregister(self._link_wake)
-                poller.register(wake, select.POLLIN)
+                if wake >= 0:
+                    poller.register(wake, select.POLLIN)
                 self._link_wake = wake
         else:
             poller = self._efd_poller
@@ -692,8 +693,12 @@ class ChannelBase:
         with self._sleep_lock:
             on_link = w is self._ws if self._level else not self._link_sleeper
             if on_link:
+                try:
+                    wake = thread_wake_fd()
+                except OSError:  # no descriptor left (EMFILE): only the naps look again
+                    wake = -1
                 self._link_sleeper = True
-                self._sleeper_wake = thread_wake_fd()
+                self._sleeper_wake = wake
             else:
                 self._efd_sleeper = True
             return on_link
