@@ -52,7 +52,7 @@ from smc_handoff.launch import (  # main: `python -m smc_handoff.run` is smc-run
     ENV_VERBOSE,
     main,
 )
-from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd
+from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd, may_defer_accept
 
 __all__ = [
     "AutoSocket",
@@ -97,6 +97,13 @@ def _reporter(peer: Any) -> Callable[[SmcSocket], None]:
     if not _verbose:
         return _unreported
     return lambda sock: report("connect", sock, peer)
+
+
+def _accept_reporter(peer: Any) -> Callable[[SmcSocket], None]:
+    """What a deferred accept calls once settled: ``smc-run -v``'s line, or nothing."""
+    if not _verbose:
+        return _unreported
+    return lambda sock: report("accept", sock, peer)
 
 
 def report_tcp(op: str, peer: Any, reason: str) -> None:
@@ -258,6 +265,10 @@ class AutoSocket(SmcSocket):
         if self._loop_accepts:
             _deferred[conn] = reg
             return conn, addr
+        if may_defer_accept():
+            # The handshake ends in whatever serves the connection (a handler thread, a forked
+            # child), not in the accept loop: see SmcSocket._handoff's ``defer``.
+            return accepted(conn, reg, defer=_accept_reporter(addr)), addr
         smc = accepted(conn, reg)
         report("accept", smc, addr)
         return smc, addr

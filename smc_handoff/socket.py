@@ -317,15 +317,30 @@ def _load_channel() -> type[_Channel]:
 
 @dataclass
 class _Pending:
-    """A client handoff whose reply is still in the control connection (see
+    """A handoff whose reply is still in the control connection (see
     :meth:`SmcSocket._handoff`'s ``defer``)."""
 
     sent: Offer
     done: Callable[[SmcSocket], None]  # called once settled (smc-run -v's line)
+    server_side: bool = False
+    fail: bool = True  # False: a failure leaves the socket reset or on TCP (see _handoff)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _unsettled: weakref.WeakSet[SmcSocket] = weakref.WeakSet()
+_unsettled_accepts: weakref.WeakSet[SmcSocket] = weakref.WeakSet()
+"""The server halves among them: see :func:`may_defer_accept`."""
+MAX_DEFERRED_ACCEPTS = 16
+"""Accepted connections whose handshake a process lets run on unawaited at once; past it,
+``accept()`` awaits the handshake as it did. A burst of clients then still drains a small
+listen backlog at once, and a server that accepts a pool of connections before using any puts
+no more handshakes in flight than that (smcd admits ``limits.handshakes_per_user``, 64, per
+user at once: the rest fall back to TCP)."""
+
+
+def may_defer_accept() -> bool:
+    """May the next ``accept()`` leave its handshake to the connection's first use?"""
+    return len(_unsettled_accepts) < MAX_DEFERRED_ACCEPTS
 
 
 def _settle_all() -> None:
@@ -546,29 +561,42 @@ class SmcSocket(_BaseSocket):
         reset and the error raised, or with ``fail=False`` (what ``accept`` does, as the
         kernel's AF_SMC hands out a failed socket) kept: the application's first call fails.
 
-        ``defer`` (a client's ``connect()`` under smc-run; called with the socket once the reply
-        is read): send the request and return at once. The reply is read by the first call that
-        needs it (data, ``fileno()``, ``mode``, ``close()``...) or before a ``fork()``.
+        ``defer`` (``connect()`` and ``accept()`` under smc-run; called with the socket once the
+        reply is read): send the request and return at once. The reply is read by the first call
+        that needs it (data, ``fileno()``, ``mode``, ``close()``...) or before a ``fork()``.
 
-        Why: the kernel runs the server's side of CLC before its application accepts, so a
-        program that connects and then accepts in the same thread gets SMC at once. Here the
-        server's half only starts when its application accepts, and a ``connect()`` that waited
-        for the reply would wait for that ``accept()`` until the daemon gave up
-        (``timeouts.clc_wait``)."""
+        Why, for a client: the kernel runs the server's side of CLC before its application
+        accepts, so a program that connects and then accepts in the same thread gets SMC at
+        once. Here the server's half only starts when its application accepts, and a
+        ``connect()`` that waited for the reply would wait for that ``accept()`` until the
+        daemon gave up (``timeouts.clc_wait``). For a server: the kernel's handshakes run
+        beside the accept loop, which takes completed connections at TCP's pace; an
+        ``accept()`` that waited for the handshake took a millisecond each, so a burst of
+        clients overflowed a small listen backlog (``socketserver``'s is 5) and the kernel
+        dropped their SYNs: seconds of retransmission for connects TCP completes at once. The
+        wait now falls in the thread or process that serves the connection."""
         if _family_of(self) not in _STREAM_FAMILIES or _type_of(self) != _SOCK_STREAM:
             raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")
         if not dmb_size:
             dmb_size = _rcvbuf_hint(self)
         request = messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
         blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
-        if defer is not None and not server_side:
+        if defer is not None:
             try:
                 sent = offer(self, request, _channel_refused)
+            except OSError as e:
+                if fail:
+                    raise
+                self._set_fallback(messages.daemon_error(str(e)))
+                defer(self)
+                return
             finally:
                 self.settimeout(blocking)
             if isinstance(sent, Offer):  # (a fork reads the answer first: _load_channel)
-                self._pending = _Pending(sent, defer)
+                self._pending = _Pending(sent, defer, server_side, fail)
                 _unsettled.add(self)
+                if server_side:
+                    _unsettled_accepts.add(self)
                 if _channel_class is None:
                     _load_channel()
                 return
@@ -601,12 +629,18 @@ class SmcSocket(_BaseSocket):
             try:
                 try:
                     result = answer(self, pending.sent)
+                except OSError as e:
+                    if pending.fail:
+                        raise
+                    result = messages.daemon_error(str(e))  # (accept: on TCP, or reset)
                 finally:
                     self.settimeout(self.gettimeout())  # the daemon's copy shared O_NONBLOCK
-                self._take(result, False, True)  # the state first: other threads look at it
+                # The state first: other threads look at it.
+                self._take(result, pending.server_side, pending.fail)
             finally:
                 self._pending = None
                 _unsettled.discard(self)
+                _unsettled_accepts.discard(self)
         pending.done(self)
         return self._smc
 
@@ -630,6 +664,7 @@ class SmcSocket(_BaseSocket):
             ctl.close()
             self._pending = None
             _unsettled.discard(self)
+            _unsettled_accepts.discard(self)
             self._fallback = _CLOSED_UNANSWERED
         pending.done(self)
         return True
@@ -1512,21 +1547,31 @@ def connect(
     return wrap(sock, server_side=False, dmb_size=dmb_size)
 
 
-def accepted(conn: _socket.socket, reg: Registration, dmb_size: int = 0) -> SmcSocket:
+def accepted(
+    conn: _socket.socket,
+    reg: Registration,
+    dmb_size: int = 0,
+    defer: Callable[[SmcSocket], None] | None = None,
+) -> SmcSocket:
     """An accepted connection as an SmcSocket: handed off while the listener is registered
     (only then can a same-host client have proposed SMC), else plain TCP with the reason.
     A fresh TCP-mode SmcSocket (from :meth:`SmcServer.accept`) is handed off in place. A
     handoff that cannot give the stream back as it was returns the socket reset (its first
-    call fails with ECONNRESET, as after a client's reset) rather than failing ``accept``."""
+    call fails with ECONNRESET, as after a client's reset) rather than failing ``accept``.
+    ``defer`` (smc-run's ``accept()``, for a fresh socket): the handshake's end is awaited by
+    the connection's first use, not here (see :meth:`SmcSocket._handoff`)."""
     fresh = None
     if isinstance(conn, SmcSocket) and type(conn) is SmcSocket and conn._smc is None:
         fresh = conn if conn._fallback is None and not conn._gone else None
     if reg.active:
         if fresh is None:
-            return _wrap(conn, True, dmb_size, fail=False)
+            sock = _wrap(conn, True, dmb_size, fail=False)
+            if defer is not None:
+                defer(sock)
+            return sock
         try:
             fresh.getpeername()  # as wrap(): OSError(ENOTCONN) when the client is gone already
-            fresh._handoff(True, dmb_size, fail=False)  # keeps its timeout
+            fresh._handoff(True, dmb_size, fail=False, defer=defer)  # keeps its timeout
         except BaseException:
             fresh.close()
             raise
@@ -1546,6 +1591,8 @@ def accepted(conn: _socket.socket, reg: Registration, dmb_size: int = 0) -> SmcS
         )
     else:
         plain._clc_guard = True  # a Proposal may still come (a configured peer's daemon)
+    if defer is not None:
+        defer(plain)
     return plain
 
 

@@ -452,6 +452,39 @@ def test_a_pool_opened_before_use_gets_smcd_on_every_connection(
     assert _modes(serr) == [("accept", "smcd", None)] * POOL, serr[-3000:]
 
 
+DEFER_SERVER = r"""
+import socket
+lsock = socket.create_server(("127.0.0.1", 0), backlog=64)
+print("PORT", lsock.getsockname()[1], flush=True)
+conns = [lsock.accept()[0] for _ in range(20)]
+print(" ".join("pending" if "mode=pending" in repr(c) else "settled" for c in conns), flush=True)
+for c in conns:
+    c.sendall(c.recv(16).upper())
+for c in conns:
+    assert c.recv(16) == b""
+print("SERVED", len(conns), flush=True)
+"""
+
+DEFER_CLIENT = WARM_POOL_CLIENT.replace(str(POOL), "20")
+
+
+def test_accept_leaves_the_handshake_to_the_connections_first_use(nocfg: PrivateSmcd) -> None:
+    """``accept()`` under smc-run returns once smcd has the connection, and its first use
+    (here the ``recv``) awaits the handshake, as a client's ``connect()`` does: an accept loop
+    drains its listen backlog at TCP's pace, where each accept used to wait a handshake out
+    (a burst of clients overflowed ``socketserver``'s backlog of 5, and the kernel dropped
+    their SYNs: seconds of retransmission). At most 16 accepted connections wait so at once;
+    the 17th accept awaits its handshake, so a server that accepts a pool before using any
+    puts no more in flight than that. Every connection is on smcd, every echo intact."""
+    client, sout, serr = _talk(nocfg, DEFER_SERVER, DEFER_CLIENT)
+    assert client.returncode == 0 and client.stdout == "POOL OK\n", (client.stderr, serr)
+    first, served = sout.splitlines()
+    assert first.split() == ["pending"] * 16 + ["settled"] * 4, (sout, serr)
+    assert served == "SERVED 20", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 20, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 20, serr
+
+
 def test_a_burst_queued_while_smcd_was_busy_is_no_idle_flood(nocfg: PrivateSmcd) -> None:
     """Connections whose requests wait in the listen queue are not "connections that sent no
     request yet": the daemon just has not read them. smcd stopped (as a busy or descheduled
