@@ -423,104 +423,57 @@ def _patch_fd_calls(fcntl: Any) -> None:
     eventfd: unpatched, ``os.read`` returned its 8-byte counter as if it were data, and
     ``os.write`` of 8 bytes added them to the counter and said they were sent. Any other
     number costs one dictionary look (an empty one while no SMC connection is open)."""
-    read, write, ioctl = os.read, os.write, fcntl.ioctl
-    if getattr(read, "_smc_fd", False):
+    if getattr(os.read, "_smc_fd", False):
         return
     by_fd = _smc_socket.by_fileno
 
     def connection(fd: int) -> SmcSocket | None:
         return connection_at(fd) if fd in by_fd else None
 
-    @functools.wraps(read)
-    def smc_read(fd: int, n: int, /) -> bytes:
-        if by_fd and (sock := connection(fd)) is not None:
-            return sock.fd_read(n)
-        data: bytes = read(fd, n)
-        return data
+    def on_connection(real: Callable[..., Any], act: Callable[..., Any]) -> Any:
+        """``real(fd, *args)``, or ``act(connection, *args)`` for an SMC connection's number."""
 
-    @functools.wraps(write)
-    def smc_write(fd: int, data: Any, /) -> int:
-        if by_fd and (sock := connection(fd)) is not None:
-            return sock.fd_write(data)
-        n: int = write(fd, data)
-        return n
+        @functools.wraps(real)
+        def call(*args: Any, **kwargs: Any) -> Any:  # (keywords: os.sendfile's own names)
+            if by_fd and args and not kwargs and (sock := connection(args[0])) is not None:
+                return act(sock, *args[1:])
+            return real(*args, **kwargs)
+
+        call._smc_fd = True  # type: ignore[attr-defined]
+        return call
+
+    def object_or_number(fd: Any) -> SmcSocket | None:
+        """``fcntl``'s first argument: a number or an object with ``fileno()``."""
+        if isinstance(fd, SmcSocket):
+            return fd
+        return connection(fd) if isinstance(fd, int) else None
+
+    ioctl, fcntl_call = fcntl.ioctl, fcntl.fcntl
 
     @functools.wraps(ioctl)
     def smc_ioctl(fd: Any, request: int, arg: Any = 0, mutate_flag: bool = True, /) -> Any:
-        if by_fd:
-            sock = fd if isinstance(fd, SmcSocket) else None
-            if sock is None and isinstance(fd, int):
-                sock = connection(fd)
-            value = sock.fd_ioctl(request) if sock is not None else None
+        if by_fd and (sock := object_or_number(fd)) is not None:
+            value = sock.fd_ioctl(request)
             if value is not None:
                 return _ioctl_answer(value, arg, mutate_flag)
         return ioctl(fd, request, arg, mutate_flag)
 
-    fcntl_call = fcntl.fcntl
-
     @functools.wraps(fcntl_call)
     def smc_fcntl(fd: Any, cmd: int, arg: Any = 0, /) -> Any:
-        if by_fd and type(arg) is int:
-            sock = fd if isinstance(fd, SmcSocket) else None
-            if sock is None and isinstance(fd, int):
-                sock = connection(fd)
-            if sock is not None:
-                value = sock.fd_fcntl(cmd, arg, fcntl_call)
-                if value is not None:
-                    return value
+        if by_fd and type(arg) is int and (sock := object_or_number(fd)) is not None:
+            value = sock.fd_fcntl(cmd, arg)
+            if value is not None:
+                return value
         return fcntl_call(fd, cmd, arg)
 
-    get_blocking, set_blocking = os.get_blocking, os.set_blocking
-
-    @functools.wraps(get_blocking)
-    def smc_get_blocking(fd: int, /) -> bool:
-        if by_fd and (sock := connection(fd)) is not None:
-            flags = sock.fd_fcntl(fcntl.F_GETFL, 0, fcntl_call)
-            if flags is not None:
-                return not flags & os.O_NONBLOCK
-        result: bool = get_blocking(fd)
-        return result
-
-    @functools.wraps(set_blocking)
-    def smc_set_blocking(fd: int, blocking: bool, /) -> None:
-        if by_fd and (sock := connection(fd)) is not None:
-            flags = sock.fd_fcntl(fcntl.F_GETFL, 0, fcntl_call)
-            if flags is not None:
-                flags = flags & ~os.O_NONBLOCK if blocking else flags | os.O_NONBLOCK
-                sock.fd_fcntl(fcntl.F_SETFL, flags, fcntl_call)
-                return
-        set_blocking(fd, blocking)
-
-    readv, writev = os.readv, os.writev
-
-    @functools.wraps(readv)
-    def smc_readv(fd: int, buffers: Any, /) -> int:
-        if by_fd and (sock := connection(fd)) is not None:
-            return sock.fd_readv(buffers)
-        n: int = readv(fd, buffers)
-        return n
-
-    @functools.wraps(writev)
-    def smc_writev(fd: int, buffers: Any, /) -> int:
-        if by_fd and (sock := connection(fd)) is not None:
-            return sock.fd_writev(buffers)
-        n: int = writev(fd, buffers)
-        return n
-
-    sendfile = os.sendfile
-
-    @functools.wraps(sendfile)
-    def smc_sendfile(out_fd: int, in_fd: int, offset: int | None, count: int, /) -> int:
-        if by_fd and (sock := connection(out_fd)) is not None:
-            return sock.fd_sendfile(in_fd, offset, count)
-        n: int = sendfile(out_fd, in_fd, offset, count)
-        return n
-
-    smc_read._smc_fd = True  # type: ignore[attr-defined]
-    os.read, os.write, fcntl.ioctl = smc_read, smc_write, smc_ioctl
-    os.sendfile = smc_sendfile  # type: ignore[assignment]
-    os.readv, os.writev = smc_readv, smc_writev
-    fcntl.fcntl, os.get_blocking, os.set_blocking = smc_fcntl, smc_get_blocking, smc_set_blocking
+    os.read = on_connection(os.read, SmcSocket.fd_read)
+    os.write = on_connection(os.write, SmcSocket.fd_write)
+    os.readv = on_connection(os.readv, SmcSocket.fd_readv)
+    os.writev = on_connection(os.writev, SmcSocket.fd_writev)
+    os.sendfile = on_connection(os.sendfile, SmcSocket.fd_sendfile)
+    os.get_blocking = on_connection(os.get_blocking, SmcSocket.fd_get_blocking)
+    os.set_blocking = on_connection(os.set_blocking, SmcSocket.fd_set_blocking)
+    fcntl.ioctl, fcntl.fcntl = smc_ioctl, smc_fcntl
 
 
 def _ioctl_answer(value: int, arg: Any, mutate_flag: bool) -> Any:

@@ -65,6 +65,9 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fcntl import F_GETFL as _F_GETFL
+from fcntl import F_SETFL as _F_SETFL
+from fcntl import fcntl as _fcntl  # the real one: smc-run's wraps fcntl's (smc_handoff.run)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -115,8 +118,6 @@ _RECV_FLAGS = (
 #: wait for readability returns at once then: what is there is unread).
 _PEEK_NAP = 0.0005
 _SENDFILE_MAX = 1 << 20
-_F_GETFL = 3  # fcntl's (the module is not imported here)
-_F_SETFL = 4
 _TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO/SO_SNDTIMEO: struct timeval
 _UNSET = -1.0
 """A blocking call's ``until`` (see ``SmcSocket._blocking_until``) before it first waits."""
@@ -517,24 +518,38 @@ class SmcSocket(_BaseSocket):
         if smc is not None:
             smc.fd_nonblock = False
 
-    def fd_fcntl(self, cmd: int, arg: int, fcntl: Callable[[int, int, int], int]) -> int | None:
+    def fd_fcntl(self, cmd: int, arg: int) -> int | None:
         """``fcntl(fileno(), F_GETFL/F_SETFL)`` on an SMC connection, as on the TCP socket's
-        descriptor (``os.get_blocking``/``os.set_blocking`` are these): the status flags are
-        the TCP socket's, whose ``O_NONBLOCK`` CPython sets for a timeout or non-blocking mode,
-        and a program's own ``O_NONBLOCK`` makes the calls of a socket without a timeout
-        return ``EAGAIN`` instead of waiting, as on TCP. (``fileno()`` is an eventfd, always
-        non-blocking: unpatched, a blocking socket looked non-blocking, and setting the flag
-        changed nothing: a read waited where TCP's fails.) None: another command, or not on
-        SMC (``fcntl`` answers for the descriptor itself)."""
+        descriptor: the status flags are the TCP socket's, whose ``O_NONBLOCK`` CPython sets for
+        a timeout or non-blocking mode, and a program's own ``O_NONBLOCK`` makes the calls of a
+        socket without a timeout return ``EAGAIN`` instead of waiting, as on TCP. (``fileno()``
+        is an eventfd, always non-blocking: unpatched, a blocking socket looked non-blocking,
+        and setting the flag changed nothing: a read waited where TCP's fails.) None: another
+        command, or not on SMC (``fcntl`` answers for the descriptor itself)."""
         smc = self._live()
         if smc is None or cmd not in (_F_GETFL, _F_SETFL):
             return None
         tcp = _BaseSocket.fileno(self)
         if cmd == _F_GETFL:
-            return fcntl(tcp, cmd, 0)
-        result = fcntl(tcp, cmd, arg)
+            return _fcntl(tcp, cmd, 0)
+        result = _fcntl(tcp, cmd, arg)
         smc.fd_nonblock = bool(arg & os.O_NONBLOCK)
         return result
+
+    def fd_get_blocking(self) -> bool:
+        """``os.get_blocking(fileno())``: the TCP socket's mode (see :meth:`fd_fcntl`)."""
+        flags = self.fd_fcntl(_F_GETFL, 0)
+        if flags is None:
+            flags = _fcntl(_BaseSocket.fileno(self), _F_GETFL, 0)
+        return not flags & os.O_NONBLOCK
+
+    def fd_set_blocking(self, blocking: bool) -> None:
+        """``os.set_blocking(fileno(), blocking)``: as ``F_SETFL`` (see :meth:`fd_fcntl`)."""
+        tcp = _BaseSocket.fileno(self)
+        old = _fcntl(tcp, _F_GETFL, 0)
+        new = old & ~os.O_NONBLOCK if blocking else old | os.O_NONBLOCK
+        if self.fd_fcntl(_F_SETFL, new) is None:
+            _fcntl(tcp, _F_SETFL, new)
 
     def setsockopt(self, level: int, optname: int, value: Any, *optlen: int) -> None:
         """As on TCP (the option is the TCP socket's). A socket-level option may be

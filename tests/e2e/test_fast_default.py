@@ -745,6 +745,25 @@ def _talk(
     return client, sout, serr
 
 
+def _talk_tcp(
+    daemon: PrivateSmcd, server_code: str, client_code: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], str, str]:
+    """:func:`_talk` without smc-run: the same programs on plain TCP, the oracle."""
+    plain = [os.fspath(PYTHON), "-c"]
+    env = _env(daemon)
+    server = subprocess.Popen([*plain, server_code], env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().split()[1]
+        client = subprocess.run([*plain, client_code, port], capture_output=True, text=True,
+                                env=env, timeout=timeout)  # fmt: skip
+        sout, serr = server.communicate(timeout=timeout / 2)
+    finally:
+        server.kill()
+    return client, sout, serr
+
+
 def test_a_forking_server_serves_over_smcd(nocfg: PrivateSmcd) -> None:
     """socketserver.ForkingTCPServer: the parent closes its copy of each accepted connection
     right after fork() while the child serves it. The parent's close only lets go of its copy
@@ -1201,18 +1220,7 @@ def test_os_read_write_and_fionread_on_the_descriptor_act_on_the_connection(
     under smc-run. An SMC connection's number is the channel's eventfd: ``os.read`` returned its
     8-byte counter as if it were data, ``os.write`` of 8 bytes vanished into the counter, and
     FIONREAD failed with ENOTTY. Now 3 MB echo intact both ways."""
-    plain = [os.fspath(PYTHON), "-c"]
-    env = _env(nocfg)
-    server = subprocess.Popen([*plain, FD_SERVER], env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        client = subprocess.run([*plain, FD_CLIENT, port], capture_output=True, text=True,
-                                env=env, timeout=60)  # fmt: skip
-        tout, terr = server.communicate(timeout=30)
-    finally:
-        server.kill()
+    client, tout, terr = _talk_tcp(nocfg, FD_SERVER, FD_CLIENT)
     assert client.stdout == "EAGAIN\nFD OK\n", ("tcp", client.stderr, terr)
     assert tout == "TOTAL 3000000 FIONREAD True OUTQ True\n", ("tcp", tout, terr)
     client, sout, serr = _talk(nocfg, FD_SERVER, FD_CLIENT)
@@ -1296,18 +1304,7 @@ def test_fcntl_and_os_set_blocking_on_the_descriptor_act_on_the_connection(
     changed nothing, so a read that TCP fails with EAGAIN waited for good; ``writev`` failed
     with EINVAL (8 bytes in all would have vanished into the counter) and ``readv`` read the
     counter."""
-    plain = [os.fspath(PYTHON), "-c"]
-    env = _env(nocfg)
-    server = subprocess.Popen([*plain, FCNTL_SERVER], env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        tcp = subprocess.run([*plain, FCNTL_CLIENT, port], capture_output=True, text=True,
-                             env=env, timeout=60)  # fmt: skip
-        server.communicate(timeout=30)
-    finally:
-        server.kill()
+    tcp, _, _ = _talk_tcp(nocfg, FCNTL_SERVER, FCNTL_CLIENT)
     assert tcp.returncode == 0 and tcp.stdout.endswith("DONE\n"), tcp.stderr
     assert "EAGAIN" in tcp.stdout and "os.read EAGAIN" in tcp.stdout, tcp.stdout
     client, _sout, serr = _talk(nocfg, FCNTL_SERVER, FCNTL_CLIENT)
@@ -1371,18 +1368,7 @@ def test_os_sendfile_into_the_descriptor_sends_over_the_connection(nocfg: Privat
     then under smc-run. The descriptor of an SMC connection is an eventfd, which sendfile(2)
     refuses: the server failed with EINVAL and the client got nothing. Now every byte arrives,
     in order."""
-    plain = [os.fspath(PYTHON), "-c"]
-    env = _env(nocfg)
-    server = subprocess.Popen([*plain, SENDFILE_SERVER], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert server.stdout is not None
-        port = server.stdout.readline().split()[1]
-        tcp = subprocess.run([*plain, SENDFILE_CLIENT, port], capture_output=True, text=True,
-                             env=env, timeout=60)  # fmt: skip
-        tout, terr = server.communicate(timeout=30)
-    finally:
-        server.kill()
+    tcp, tout, terr = _talk_tcp(nocfg, SENDFILE_SERVER, SENDFILE_CLIENT)
     want = 3_000_000 + 2_000_000
     assert tout.startswith("PIPE 22 100\nSENT "), (tout, terr)
     digest = tout.split()[-1]
@@ -1473,21 +1459,10 @@ def _to_slow_reader(daemon: PrivateSmcd, writer: str) -> list[tuple[str, list[st
     """``writer`` (given the port) to :data:`SLOW_READER`, first on plain TCP (the oracle),
     then both under smc-run: for each, what the writer printed (``WROTE n sha256 ...``), once
     every byte arrived intact and each end was on the transport it should be."""
-    plain = [os.fspath(PYTHON), "-c"]
-    env = _env(daemon)
     out = []
     for kind in ("tcp", "smcd"):
         if kind == "tcp":
-            server = subprocess.Popen([*plain, SLOW_READER], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-            try:
-                assert server.stdout is not None
-                port = server.stdout.readline().split()[1]
-                client = subprocess.run([*plain, writer, port], capture_output=True,
-                                        text=True, env=env, timeout=120)  # fmt: skip
-                sout, serr = server.communicate(timeout=60)
-            finally:
-                server.kill()
+            client, sout, serr = _talk_tcp(daemon, SLOW_READER, writer, timeout=120)
         else:
             client, sout, serr = _talk(daemon, SLOW_READER, writer)
             assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr

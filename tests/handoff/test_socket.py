@@ -646,6 +646,31 @@ def test_shutdown_rd_still_returns_what_was_received(pair: tuple[Any, Any]) -> N
     assert recv_exactly(a, 4) == b"back"
 
 
+class _Blocked:
+    """``call()`` run in a thread of its own, which blocks there: ``settle`` seconds after the
+    start it must not have returned (0: not checked). :meth:`result` is its return value or
+    exception, failing the test when it has not returned within ``limit``."""
+
+    def __init__(self, call: Callable[[], Any], settle: float = 0.3) -> None:
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+        if settle:
+            time.sleep(settle)  # past its spin: asleep
+            assert self._thread.is_alive() and not self._out, self._out
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self._out["r"] = call()
+        except BaseException as e:
+            self._out["r"] = e
+
+    def result(self, limit: float = 30.0, what: str = "the blocked call was not woken") -> Any:
+        self._thread.join(limit)
+        assert not self._thread.is_alive(), what
+        return self._out["r"]
+
+
 @pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
 @pytest.mark.parametrize("how", ["SHUT_RD", "SHUT_RDWR"])
 def test_shutdown_in_another_thread_wakes_a_blocked_recv(
@@ -659,22 +684,9 @@ def test_shutdown_in_another_thread_wakes_a_blocked_recv(
     monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
     a, _b = pair
     a.settimeout(timeout)
-    got: dict[str, Any] = {}
-
-    def reader() -> None:
-        try:
-            got["r"] = a.recv(100)
-        except OSError as e:
-            got["r"] = e
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    time.sleep(0.3)  # past its spin: asleep
-    assert t.is_alive() and not got
+    blocked = _Blocked(lambda: a.recv(100))
     a.shutdown(getattr(socket, how))
-    t.join(30)
-    assert not t.is_alive(), "the blocked recv was not woken by shutdown()"
-    assert got["r"] == b""
+    assert blocked.result(what="the blocked recv was not woken by shutdown()") == b""
 
 
 @pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
@@ -688,24 +700,16 @@ def test_shutdown_in_another_thread_fails_a_blocked_send(
     monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
     a, _b = pair
     a.settimeout(timeout)
-    got: dict[str, Any] = {}
 
-    def writer() -> None:
+    def fill() -> None:
         chunk = b"w" * 65536
-        try:
-            while True:
-                a.send(chunk)
-        except OSError as e:
-            got["r"] = e
+        while True:
+            a.send(chunk)
 
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    time.sleep(0.5)  # the buffers fill, the send sleeps
-    assert t.is_alive() and not got
+    blocked = _Blocked(fill, settle=0.5)  # the buffers fill, the send sleeps
     a.shutdown(getattr(socket, how))
-    t.join(30)
-    assert not t.is_alive(), "the blocked send was not woken by shutdown()"
-    assert isinstance(got["r"], BrokenPipeError), got["r"]
+    got = blocked.result(what="the blocked send was not woken by shutdown()")
+    assert isinstance(got, BrokenPipeError), got
 
 
 def _timeval(seconds: float) -> bytes:
@@ -715,19 +719,7 @@ def _timeval(seconds: float) -> bytes:
 def _in_thread(call: Callable[[], Any], limit: float = 30.0) -> Any:
     """``call()``'s result or exception, from a thread given ``limit`` seconds (a call that
     does not return by then fails the test instead of hanging it)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["r"] = call()
-        except BaseException as e:
-            out["r"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), "the call never returned"
-    return out["r"]
+    return _Blocked(call, settle=0).result(limit, "the call never returned")
 
 
 def test_so_rcvtimeo_bounds_a_blocking_recv(pair: tuple[Any, Any]) -> None:
@@ -864,13 +856,9 @@ def test_an_idle_wait_naps_longer_and_longer(
     monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 0.01)
     monkeypatch.setattr(channel_base, "_SLEEP_CAP_MAX_S", 0.08)
     a, b = pair
-    got: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: got.update(r=a.recv(10)), daemon=True)
-    t.start()
-    time.sleep(1.0)
+    blocked = _Blocked(lambda: a.recv(10), settle=1.0)
     b.sendall(b"wake")
-    t.join(10)
-    assert got.get("r") == b"wake"
+    assert blocked.result() == b"wake"
     long = [ms for ms in naps if ms >= 10]
     assert long[:4] == [10, 20, 40, 80], naps
     assert set(long[4:]) <= {80}, naps
@@ -885,22 +873,10 @@ def test_close_in_another_thread_ends_a_blocked_recv(
     until the peer sends or closes; the wait used to end at its next nap, up to a second)."""
     monkeypatch.setattr(channel_base, "_SLEEP_CAP_S", 3600.0)
     a, _b = pair
-    got: dict[str, Any] = {}
-
-    def reader() -> None:
-        try:
-            got["r"] = a.recv(10)
-        except OSError as e:
-            got["r"] = e
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    time.sleep(0.3)
-    assert t.is_alive()
+    blocked = _Blocked(lambda: a.recv(10))
     a.close()
-    t.join(30)
-    assert not t.is_alive(), "the blocked recv was not woken by close()"
-    assert isinstance(got["r"], OSError) and got["r"].errno == errno.EBADF, got["r"]
+    got = blocked.result(what="the blocked recv was not woken by close()")
+    assert isinstance(got, OSError) and got.errno == errno.EBADF, got
 
 
 def select_readable(fd: int) -> bool:
