@@ -46,6 +46,8 @@ _INFO_LEN = _BYTES_ACKED_AT + _BYTES.size  # the part of tcp_info read (no more 
 _INT = struct.Struct("i")
 _INT0 = bytes(_INT.size)
 _TCP = socket.IPPROTO_TCP
+_SOL_SOCKET = socket.SOL_SOCKET
+_SO_REUSEADDR = socket.SO_REUSEADDR
 _TCP_INFO = socket.TCP_INFO
 _U32 = 0xFFFFFFFF
 RUN_NETNS = "/run/netns"
@@ -53,9 +55,15 @@ RUN_NETNS = "/run/netns"
 
 def connection_identity(sock: socket.socket, *, active: bool) -> tuple[int, int] | None:
     """``(client ISN, server ISN)`` of the connection ``sock`` is one end of (``active``: the
-    end that connected), or None when the kernel does not tell (no capability, no TCP)."""
+    end that connected), or None when the kernel does not tell (no capability, no TCP).
+
+    ``SO_REUSEADDR`` is kept: leaving repair mode clears it (``sk_reuse = SK_NO_REUSE`` in
+    ``do_tcp_setsockopt``), and an accepted connection that lost it blocked its server's port
+    for TIME_WAIT's minute once closed: a server restarted on its port got ``EADDRINUSE``
+    although it set ``SO_REUSEADDR``, as every server does."""
     setopt, getopt = sock.setsockopt, sock.getsockopt
     try:
+        reuse = getopt(_SOL_SOCKET, _SO_REUSEADDR)
         setopt(_TCP, _TCP_REPAIR, _TCP_REPAIR_ON)
     except OSError:
         return None
@@ -67,8 +75,10 @@ def connection_identity(sock: socket.socket, *, active: bool) -> tuple[int, int]
     except OSError:
         return None
     finally:
-        try:  # noqa: SIM105 (every handoff: no context manager)
+        try:
             setopt(_TCP, _TCP_REPAIR, _TCP_REPAIR_OFF_NO_WP)
+            if reuse:
+                setopt(_SOL_SOCKET, _SO_REUSEADDR, reuse)
         except OSError:
             pass
     try:

@@ -485,6 +485,53 @@ def test_accept_leaves_the_handshake_to_the_connections_first_use(nocfg: Private
     assert _modes(serr) == [("accept", "smcd", None)] * 20, serr
 
 
+RESTART_SERVER = r"""
+import socket, sys
+lsock = socket.create_server(("127.0.0.1", int(sys.argv[1])))  # SO_REUSEADDR, as servers do
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+conn.sendall(conn.recv(16).upper())
+conn.close()  # the server closes first: its end of the connection waits in TIME_WAIT
+print("SERVED", flush=True)
+"""
+
+RESTART_CLIENT = r"""
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.sendall(b"again")
+print(sock.recv(16).decode(), sock.recv(16) == b"", flush=True)
+"""
+
+
+def test_a_server_restarted_on_its_port_binds_it_at_once(nocfg: PrivateSmcd) -> None:
+    """A server under smc-run that served a connection and closed it first, then exits, can be
+    started again on the same port at once, as on TCP. smcd reads a connection's identity in
+    ``TCP_REPAIR`` mode, and leaving it cleared the accepted socket's ``SO_REUSEADDR``, so its
+    TIME_WAIT kept the port: the restarted server failed with EADDRINUSE for a minute."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = _env(nocfg)
+    for run in range(3):
+        server = subprocess.Popen(_smc_run(env, RESTART_SERVER, port), env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            assert server.stdout is not None
+            first = server.stdout.readline()
+            if not first.startswith("PORT"):
+                server.kill()
+                raise AssertionError((run, first, server.communicate(timeout=10)))
+            client = subprocess.run(_smc_run(env, RESTART_CLIENT, port), env=env,
+                                    capture_output=True, text=True, timeout=60)  # fmt: skip
+            sout, serr = server.communicate(timeout=30)
+        finally:
+            server.kill()
+        assert client.stdout == "AGAIN True\n", (run, client.stderr, serr)
+        assert sout == "SERVED\n", (run, sout, serr)
+        assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+        assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 def test_a_burst_queued_while_smcd_was_busy_is_no_idle_flood(nocfg: PrivateSmcd) -> None:
     """Connections whose requests wait in the listen queue are not "connections that sent no
     request yet": the daemon just has not read them. smcd stopped (as a busy or descheduled

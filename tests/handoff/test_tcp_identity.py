@@ -42,3 +42,30 @@ def test_both_ends_agree_and_connections_differ() -> None:
         finally:
             for sock in (c1, s1, c2, s2):
                 sock.close()
+
+
+def test_so_reuseaddr_survives_and_the_port_can_be_bound_again() -> None:
+    """Leaving repair mode clears ``SO_REUSEADDR`` in the kernel; an accepted connection that
+    lost it left its server's port unbindable for TIME_WAIT's minute once closed (a server
+    restarted on its port got EADDRINUSE under smc-run, and bound at once on TCP). The option
+    is as it was after the identity is read, and a new listener binds the port at once after
+    the server closed first (its side in TIME_WAIT)."""
+    lsock = socket.create_server(("127.0.0.1", 0))  # SO_REUSEADDR, as servers set it
+    port = lsock.getsockname()[1]
+    client, server = pair(lsock)
+    try:
+        assert server.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        assert not client.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        assert connection_identity(server, active=False) is not None, "needs CAP_NET_ADMIN"
+        assert connection_identity(client, active=True) is not None
+        assert server.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        assert not client.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        lsock.close()
+        server.close()  # the server's end closes first: TIME_WAIT on its port
+        assert client.recv(1) == b""
+        client.close()
+        again = socket.create_server(("127.0.0.1", port))
+        again.close()
+    finally:
+        for sock in (lsock, client, server):
+            sock.close()
