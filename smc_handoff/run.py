@@ -196,33 +196,29 @@ class AutoSocket(SmcSocket):
         if self.can_upgrade:
             peer_option.request_option(self)
 
-    def _mark(self) -> None:
-        """Ask for SMC's TCP option on the SYN of a socket we will hand off."""
-        if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
+    def _mark(self, address: Any) -> None:
+        """Before ``connect()``: ask for SMC's TCP option on the SYN of a socket we will hand
+        off. A non-blocking one is not (it stays on TCP): ``smc-run -v`` says so, unless asyncio
+        connects it (the loop hands its sockets off itself and reports them)."""
+        if not (self._upgrade and _eligible(self) and self._smc is None):
+            return
+        if self.gettimeout() != 0:
             peer_option.request_option(self)
+        elif _verbose and not self.loop_connects:
+            report_tcp("connect", address, "a non-blocking connect of the program's own event "
+                       "loop: smc-run hands off blocking connects and asyncio's")  # fmt: skip
 
     def connect(self, address: Any) -> None:
-        self._mark()
-        if _verbose and self.gettimeout() == 0:
-            self._report_nonblocking(address)
+        self._mark(address)
         super().connect(address)
         self._upgrade_client(address)
 
     def connect_ex(self, address: Any) -> int:
-        self._mark()
-        if _verbose and self.gettimeout() == 0:
-            self._report_nonblocking(address)
+        self._mark(address)
         rc = super().connect_ex(address)
         if rc == 0:
             self._upgrade_client(address)
         return rc
-
-    def _report_nonblocking(self, address: Any) -> None:
-        """``smc-run -v``: a program's own event loop connects without blocking; that
-        connection stays on TCP (asyncio's are handed off by the loop and reported there)."""
-        if self._upgrade and _eligible(self) and not self.loop_connects and self._smc is None:
-            report_tcp("connect", address, "a non-blocking connect of the program's own event "
-                       "loop: smc-run hands off blocking connects and asyncio's")  # fmt: skip
 
     def listen(self, *backlog: int) -> None:
         super().listen(*backlog)
@@ -374,7 +370,6 @@ def _patch_dup2() -> None:
 
     smc_dup2._smc_relay = True  # type: ignore[attr-defined]
     os.dup2 = smc_dup2
-    _patch_exec()
 
 
 def _runnable(path: Any) -> bool:
@@ -394,6 +389,8 @@ def _patch_exec() -> None:
     """``os.execv``/``os.execve`` (every ``os.exec*`` ends in one) give the new program a
     relay's socket at the number of each SMC connection made inheritable
     (:func:`smc_handoff.child_relay.relay_inherited`); with none open, one dictionary look."""
+    if getattr(os.execv, "_smc_relay", False):
+        return
     by_fd = _smc_socket.by_fileno
 
     def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -409,6 +406,7 @@ def _patch_exec() -> None:
             finally:  # only when the exec failed after all: the numbers are the eventfds again
                 child_relay.restore_inherited(moved)
 
+        smc_exec._smc_relay = True  # type: ignore[attr-defined]
         return smc_exec
 
     os.execv = wrap(os.execv)
@@ -555,6 +553,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
     _patch_on_import("subprocess", _patch_subprocess)
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()
+    _patch_exec()
     _patch_fd_calls(fcntl)
     readiness.install()
     if _verbose:
