@@ -47,8 +47,8 @@ client side (connect) and the server side (listen/accept), like smc-tools' smc_r
   -c COMMAND    run a Python command string (python -c COMMAND)
   -d, --debug   log every handoff step of the smc_handoff library to stderr
   -v, --verbose print one line per connection to stderr: its mode (smcd, smcr or tcp) and,
-                on tcp, the fallback reason (a client's line comes at its first use after
-                connect(), when smcd's answer is read)
+                on tcp, the fallback reason (the line comes at the connection's first use
+                after connect() or accept(), when smcd's answer is read)
   -h, --help    show this help and exit
 
 Without a running smcd the program runs unchanged on plain TCP. asyncio programs are upgraded
