@@ -583,6 +583,9 @@ def offer(
         ctl.close()
         return _unsent(sock, server_side, refusal, what)
     before = StreamMark.take(sock)
+    if not server_side:
+        with contextlib.suppress(OSError):
+            _BaseSocket.setsockopt(sock, *peer_option.HANDOFF_MARK, 1)
     try:
         messages.send_message(ctl, request, [_BaseSocket.fileno(sock)])
     except OSError as e:  # a SEQPACKET datagram is sent whole or not at all: nothing left

@@ -18,6 +18,7 @@ falls back: the peer consumes it and falls back too, and the stream stays clean.
 from __future__ import annotations
 
 import _socket as _csocket
+import contextlib
 import errno
 import os
 import socket as _socket
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 __all__ = [
+    "HANDOFF_MARK",
     "SMCD_OPT_STATE",
     "SMCD_OPT_WANT",
     "SOL_SMCD",
@@ -61,6 +63,14 @@ unmarked meanwhile is one whose SYN went out before the detector anyway: the dae
 as it treats every connection without detection (its ``peers``)."""
 _no_detector_until = 0.0
 
+HANDOFF_MARK = (int(_socket.IPPROTO_IP), 24)  # IP_BIND_ADDRESS_NO_PORT
+"""Without a detector, a socket that will be handed to smcd carries this instead: a same-host
+server half that sees no Proposal asks the kernel (``sock_diag``) whether its client's socket
+has it, and falls back at once for a plain client (the daemon's ``adapters/handoff_mark``).
+Set before ``connect()`` here and again before the CONNECT (``smc_handoff.wrap`` of a socket
+connected elsewhere): on a socket that is connected, or bound already, it changes nothing;
+before a later ``bind`` to port 0 it only defers the port's choice to ``connect()``."""
+
 
 def request_option(sock: _socket.socket) -> bool:
     """Mark ``sock`` (TCP, not yet connected); True if a detector took the request. Never
@@ -70,15 +80,22 @@ def request_option(sock: _socket.socket) -> bool:
     if _family_of(sock) not in _IP_FAMILIES or _type_of(sock) != _SOCK_STREAM:
         return False
     if _no_detector_until and time.monotonic() < _no_detector_until:
-        return False
+        return _marked(sock)
     try:
         _setsockopt(sock, SOL_SMCD, SMCD_OPT_WANT, 1)
     except OSError as e:
         if e.errno == errno.ENOPROTOOPT:
             _no_detector_until = time.monotonic() + NO_DETECTOR_TTL
-        return False
+        return _marked(sock)
     _no_detector_until = 0.0
     return True
+
+
+def _marked(sock: _socket.socket) -> bool:
+    """No detector took the request: put :data:`HANDOFF_MARK` on the socket instead."""
+    with contextlib.suppress(OSError):
+        _setsockopt(sock, *HANDOFF_MARK, 1)
+    return False
 
 
 def create_connection(

@@ -472,7 +472,9 @@ class TimeoutsConfig(_Section):
     """``proposal_wait`` for a client on this host that is not in ``peers``, while peer
     detection is off: a client that hands its connection to smcd does so right after
     ``connect()``, so a plain TCP client (one that waits for the server to speak first) is told
-    apart sooner (the smaller of the two)."""
+    apart sooner (the smaller of the two). One in the daemon's namespace whose socket lacks the
+    library's handoff mark is told apart after 20 ms already
+    (:mod:`smcd_daemon.adapters.handoff_mark`)."""
     first_llc: Seconds = _doc(
         f"must be a number of seconds, {_SECONDS_LE}", default=5.0, gt=0, le=MAX_TIMEOUT
     )

@@ -83,7 +83,9 @@ ok, _ = m.recv_message(reg, requests=False)
 assert isinstance(ok, m.Ok), ok
 halves = []
 for i in range(3):
-    peer = socket.create_connection(lst.getsockname())  # a plain TCP client: never proposes
+    peer = socket.socket()  # a client that never proposes, marked as ours are (a plain one's
+    peer.setsockopt(socket.IPPROTO_IP, 24, 1)  # half falls back after 20 ms: no handoff mark)
+    peer.connect(lst.getsockname())
     tcp, _ = lst.accept()
     ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ctl.connect(path)

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 import smc_handoff
+from smc_handoff import peer_option
 from smcd_daemon.demo import PrivateSmcd
 from tests.control.daemon_proc import SMCD, NotifySocket, SmcdProcess, sh
 
@@ -1817,19 +1818,22 @@ def long_proposal_wait() -> Iterator[PrivateSmcd]:
         yield daemon
 
 
-def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local_wait(
+def test_a_plain_local_client_of_a_server_that_speaks_first_is_told_apart_by_its_mark(
     long_proposal_wait: PrivateSmcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client on this host that does not use smcd (``nc``, another language, a program
-    without smc-run) and waits for the server's banner: the server half waits for its Proposal
-    only ``timeouts.local_client_wait`` (a client half of ours arrives right after its
-    ``connect()``), not ``proposal_wait`` (here 60 s: every banner used to wait it out). Then a
-    client of ours that hands its socket over only after that wait: both ends fall back before
-    any CLC byte, and the banner is intact."""
+    without smc-run) and waits for the server's banner: with no Proposal after a short grace
+    the server half asks the kernel (``sock_diag``) whether the client's socket carries the
+    handoff mark our library sets before its CONNECT; it does not, so the server half falls back
+    then, neither after ``timeouts.local_client_wait`` (0.2 s: every banner used to wait it out)
+    nor after ``proposal_wait`` (here 60 s). A client that carries the mark but hands its socket
+    over only after ``local_client_wait`` is waited for that long: both ends then fall back
+    before any CLC byte, and the banner is intact. A client of smc-run gets SMC."""
     env = _env(long_proposal_wait)
     for key, value in long_proposal_wait.env.items():  # this process's smc_handoff.wrap too
         monkeypatch.setenv(key, value)
-    server = subprocess.Popen(_smc_run(env, BANNER_SERVER), env=env, text=True,
+    script = BANNER_SERVER.replace("range(2)", "range(3)")
+    server = subprocess.Popen(_smc_run(env, script), env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         assert server.stdout is not None
@@ -1838,7 +1842,10 @@ def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local
         assert plain.recv(100) == b"220 ready\r\n"
         plain.sendall(b"QUIT\r\n")
         plain.close()
-        late = socket.create_connection(("127.0.0.1", port), timeout=20)
+        late = socket.socket()
+        late.setsockopt(*peer_option.HANDOFF_MARK, 1)  # as smc-run marks before connect()
+        late.settimeout(20)
+        late.connect(("127.0.0.1", port))
         time.sleep(0.6)  # past local_client_wait (0.2 s): the server half fell back
         late = smc_handoff.wrap(late)
         assert late.mode == "tcp" and late.fallback is not None, late
@@ -1846,13 +1853,29 @@ def test_a_plain_local_client_of_a_server_that_speaks_first_waits_only_the_local
         assert late.recv(100) == b"220 ready\r\n"
         late.sendall(b"QUIT\r\n")
         late.close()
+        ours = subprocess.run(_smc_run(env, BANNER_CLIENT, str(port)), env=env, text=True,
+                              capture_output=True, timeout=60)  # fmt: skip
+        assert ours.returncode == 0 and ours.stdout == "BANNER OK\n", ours.stderr
+        assert _modes(ours.stderr) == [("connect", "smcd", None)], ours.stderr
         _, serr = server.communicate(timeout=30)
     finally:
         server.kill()
     assert server.returncode == 0, serr
     modes = _modes(serr)
-    assert [m[:2] for m in modes] == [("accept", "tcp")] * 2, serr
-    assert "timeouts.local_client_wait" in serr, serr
+    assert [m[:2] for m in modes] == [("accept", "tcp")] * 2 + [("accept", "smcd")], serr
+    lines = [line for line in serr.splitlines() if "accept" in line]
+    assert "carries no handoff mark" in lines[0], serr
+    assert "timeouts.local_client_wait" in lines[1], serr
+
+
+BANNER_CLIENT = r"""
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+assert sock.recv(100) == b"220 ready\r\n"
+sock.sendall(b"QUIT\r\n")
+sock.close()
+print("BANNER OK")
+"""
 
 
 def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:

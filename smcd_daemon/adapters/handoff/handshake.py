@@ -95,6 +95,14 @@ per reason (see there)."""
 _NO_RDMA_DECLINES = (int(DeclineReason.NOSMCRDEV), int(DeclineReason.NOSMCDEV))
 """What the SMC-D server negotiation declines a Proposal with when it offered SMC-R."""
 _MAX_DMB = int(DeclineReason.MAX_DMB)
+UNMARKED_GRACE = 0.02
+"""Seconds a server half waits for a same-host client's Proposal (without peer detection)
+before it asks whether the client's socket carries the handoff mark: an smcd client marks it
+before its CONNECT, microseconds after ``connect()``; a plain one never does."""
+_PLAIN_LOCAL_CLIENT = (
+    f"no CLC Proposal within {UNMARKED_GRACE:g} s and the client's socket on this host carries "
+    "no handoff mark: a plain TCP client (e.g. one that waits for the server to speak first)"
+)
 _ZERO = Cursor()
 _OWN_NETNS = os.stat("/proc/self/ns/net").st_ino
 _ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
@@ -558,7 +566,16 @@ class Handshakes:
         local = detected is None and self._same_host(client, tcp) and not proposing
         if local and timeouts.local_client_wait < wait:
             wait = timeouts.local_client_wait
-        seen = await peek_proposal(tcp, wait)
+        if local and wait > UNMARKED_GRACE:
+            seen = await peek_proposal(tcp, UNMARKED_GRACE)
+            if seen.kind == "silent":
+                if not self.arrivals.proposed(key) and self._plain_local_client(tcp):
+                    return FallbackOutcome(
+                        int(DeclineReason.PEERNOSMC), None, True, _PLAIN_LOCAL_CLIENT
+                    )
+                seen = await peek_proposal(tcp, wait - seen.waited)
+        else:
+            seen = await peek_proposal(tcp, wait)
         if seen.kind == "silent" and local:
             # A client half whose CONNECT the loop read in the turn our timer fired starts on
             # the next turn: let it, so that a stalled loop does not cost that pair its SMC.
@@ -595,6 +612,16 @@ class Handshakes:
             why = self._why_no_smcr(tcp)
             out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
         return out
+
+    def _plain_local_client(self, tcp: BorrowedTcp) -> bool:
+        """The client's socket is in this daemon's namespace and carries no handoff mark: its
+        program is not handing it over (:mod:`smcd_daemon.adapters.handoff_mark`)."""
+        marks, peer, local = self._srv.marks, tcp.peer[:2], tcp.local[:2]
+        marked = marks.client_marked(tcp.sock, peer, local)
+        if marked is None and peer[0].startswith("::ffff:") and local[0].startswith("::ffff:"):
+            # a dual-stack listener's IPv4 client: its own socket is AF_INET
+            marked = marks.client_marked(tcp.sock, (peer[0][7:], peer[1]), (local[0][7:], local[1]))
+        return marked is False
 
     def _same_host(self, client: Client, tcp: BorrowedTcp) -> bool:
         """Is the client of this accepted connection on this host (a loopback address, or an

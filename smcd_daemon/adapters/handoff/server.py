@@ -33,6 +33,7 @@ from smc_handoff import messages as m
 from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.bpf.peers import PeerDetection
 from smcd_daemon.adapters.fdwatch import FdWatch, fd_watch
+from smcd_daemon.adapters.handoff_mark import HandoffMarks
 from smcd_daemon.config import Config
 from smcd_daemon.core.admission import MAX_CONNECTIONS
 from smcd_daemon.core.buffers import DmbPool
@@ -143,6 +144,8 @@ class HandoffServer:
         self.smcr = smcr
         #: peer detection (the SMC TCP option via BPF); answers None without a detector
         self.detection = detection if detection is not None else PeerDetection.off()
+        #: without detection: does a silent same-host client hand its socket over (sock_diag)?
+        self.marks = HandoffMarks()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._watch: FdWatch | None = None  # the loop's (fdwatch), once started
         self.gate = Gate(self)
@@ -229,6 +232,7 @@ class HandoffServer:
         self.channels.close()
         self.publisher.close()
         self.pool.close()
+        self.marks.close()
         self.journal.remove()  # only when no channel half is left to resume
         if self.owns_path and self.path is not None:
             # Only our own file: a daemon started meanwhile may have replaced a path it found
