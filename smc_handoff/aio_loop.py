@@ -29,18 +29,21 @@ Each SMC transport busy-polls its channel before the loop sleeps (:mod:`smc_hand
 which wraps the loop's selector when the loop gets its first SMC transport, whenever the loop
 was made; ``$SMC_RUN_BUSY_POLL=0`` turns it off).
 
-Not upgraded: TLS (``ssl=``: the connection stays on TCP, its listener is not registered), and
-event loops that are not asyncio's selector loop — uvloop's transports are libuv's own, so a
-program that installs uvloop runs on TCP (``smc-run -v`` says so for each connection).
+TLS (``ssl=``, ``start_tls``) runs over the channel: asyncio's TLS protocol above an
+:class:`~smc_handoff.aio_transport.SmcTransport`, as a blocking ``ssl`` socket's records go
+over it (:mod:`smc_handoff.tls`), so either end may be either kind.
+
+Not upgraded: event loops that are not asyncio's selector loop — uvloop's transports are
+libuv's own, so a program that installs uvloop runs on TCP (``smc-run -v`` says so for each
+connection).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
-from asyncio import base_events, exceptions, selector_events
+from asyncio import base_events, exceptions, selector_events, sslproto
 from typing import Any
 
 from smc_handoff import run
@@ -50,9 +53,6 @@ from smc_handoff.socket import SmcSocket, accepted
 __all__ = ["install", "install_uvloop_report"]
 
 log = logging.getLogger("smc_handoff.aio_loop")
-
-_no_upgrade: contextvars.ContextVar[bool] = contextvars.ContextVar("smc_no_upgrade", default=False)
-"""Set while ``create_connection(ssl=...)`` connects: TLS stays on TCP."""
 
 _installed = False
 
@@ -79,8 +79,50 @@ async def _smc_transport(
     return transport, protocol
 
 
+async def _smc_tls_transport(
+    loop: asyncio.AbstractEventLoop,
+    sock: SmcSocket,
+    protocol_factory: Any,
+    ssl: Any,
+    server_side: bool,
+    server_hostname: Any = None,
+    extra: dict[str, Any] | None = None,
+    server: Any = None,
+    timeouts: dict[str, Any] | None = None,
+) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:
+    """What ``_make_ssl_transport`` does over a socket transport, over the channel instead:
+    asyncio's TLS protocol (as ``start_tls`` layers it) above an :class:`SmcTransport`, which
+    moves its records; the caller gets the TLS transport once the handshake is done.
+    ``timeouts``: ``ssl_handshake_timeout``/``ssl_shutdown_timeout`` as asyncio got them."""
+    context: Any = None if isinstance(ssl, bool) else ssl
+    try:
+        protocol = protocol_factory()
+        waiter = loop.create_future()
+        tls = sslproto.SSLProtocol(
+            loop, protocol, context, waiter, server_side, server_hostname, **(timeouts or {})
+        )
+        transport = SmcTransport(loop, sock, tls, None, extra, server)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        await waiter
+    except BaseException:
+        transport.close()
+        raise
+    return tls._app_transport, protocol
+
+
+def _ssl_timeouts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``ssl_handshake_timeout``/``ssl_shutdown_timeout`` as asyncio passed them on."""
+    names = ("ssl_handshake_timeout", "ssl_shutdown_timeout")
+    found = dict(zip(names, args, strict=False))
+    found.update((k, kwargs[k]) for k in names if k in kwargs)
+    return found
+
+
 async def _hand_off_client(sock: Any, address: Any) -> None:
-    if isinstance(sock, run.AutoSocket) and not _no_upgrade.get() and sock.can_upgrade:
+    if isinstance(sock, run.AutoSocket) and sock.can_upgrade:
         await run_handoff(sock.hand_off_client, address, loop_dmb_size())
 
 
@@ -92,20 +134,6 @@ def install() -> None:
     _installed = True
     base: Any = base_events.BaseEventLoop
     sel: Any = selector_events.BaseSelectorEventLoop
-
-    create_connection = base.create_connection
-
-    @functools.wraps(create_connection)
-    async def smc_create_connection(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("ssl"):
-            token = _no_upgrade.set(True)
-            try:
-                return await create_connection(self, *args, **kwargs)
-            finally:
-                _no_upgrade.reset(token)
-        return await create_connection(self, *args, **kwargs)
-
-    base.create_connection = smc_create_connection
 
     create_transport = base._create_connection_transport
 
@@ -121,17 +149,27 @@ def install() -> None:
         **kwargs: Any,
     ) -> Any:
         if isinstance(sock, SmcSocket):
-            if ssl:
-                sock.leave_channel()  # TLS runs on TCP (possible: no byte moved yet)
-            else:
-                if not server_side:
-                    try:
-                        await _hand_off_client(sock, sock.getpeername())
-                    except BaseException:
-                        sock.close()
-                        raise
-                if sock.mode != "tcp":
-                    return await _smc_transport(self, sock, protocol_factory)
+            if not server_side:
+                try:
+                    await _hand_off_client(sock, sock.getpeername())
+                except BaseException:
+                    sock.close()
+                    raise
+            if sock.mode != "tcp" and ssl:
+                timeouts = _ssl_timeouts(args, kwargs)
+                return await _smc_tls_transport(
+                    self,
+                    sock,
+                    protocol_factory,
+                    ssl,
+                    server_side,
+                    server_hostname,
+                    None,
+                    None,
+                    timeouts,
+                )
+            if sock.mode != "tcp":
+                return await _smc_transport(self, sock, protocol_factory)
         return await create_transport(
             self, sock, protocol_factory, ssl, server_hostname, server_side, *args, **kwargs
         )
@@ -144,8 +182,7 @@ def install() -> None:
     async def smc_sock_connect(self: Any, sock: Any, address: Any) -> None:
         if isinstance(sock, run.AutoSocket):
             sock.loop_connects = True  # its non-blocking connect is the loop's, not a program's
-            if not _no_upgrade.get():
-                sock.mark_for_handoff()  # the SYN asks for SMC (the daemon's peer detection)
+            sock.mark_for_handoff()  # the SYN asks for SMC (the daemon's peer detection)
         await sock_connect(self, sock, address)
         await _hand_off_client(sock, address)
 
@@ -158,7 +195,7 @@ def install() -> None:
         self: Any, protocol_factory: Any, sock: Any, sslcontext: Any = None, *args: Any, **kw: Any
     ) -> None:
         if isinstance(sock, run.AutoSocket):
-            sock.serve_from_loop(tls=sslcontext is not None)
+            sock.serve_from_loop()  # TLS too: it runs over the channel
         start_serving(self, protocol_factory, sock, sslcontext, *args, **kw)
 
     sel._start_serving = smc_start_serving
@@ -177,7 +214,7 @@ def install() -> None:
         **kwargs: Any,
     ) -> None:
         reg = run.take_deferred(conn)
-        if reg is not None and sslcontext is None:
+        if reg is not None:
             peer = extra.get("peername") if extra else None
             try:
                 conn = await run_handoff(accepted, conn, reg, loop_dmb_size(), server=True)
@@ -188,7 +225,21 @@ def install() -> None:
             run.report("accept", conn, peer)
             if conn.mode != "tcp":
                 try:
-                    await _smc_transport(self, conn, protocol_factory, extra, server)
+                    if sslcontext is not None:
+                        timeouts = _ssl_timeouts(args, kwargs)
+                        await _smc_tls_transport(
+                            self,
+                            conn,
+                            protocol_factory,
+                            sslcontext,
+                            True,
+                            None,
+                            extra,
+                            server,
+                            timeouts,
+                        )
+                    else:
+                        await _smc_transport(self, conn, protocol_factory, extra, server)
                 except (SystemExit, KeyboardInterrupt):
                     raise
                 except BaseException as exc:
@@ -206,7 +257,7 @@ def install() -> None:
     @functools.wraps(sock_accept)
     async def smc_sock_accept(self: Any, sock: Any) -> Any:
         if isinstance(sock, run.AutoSocket):
-            sock.serve_from_loop(tls=False)
+            sock.serve_from_loop()
         conn, address = await sock_accept(self, sock)
         reg = run.take_deferred(conn)
         if reg is not None:

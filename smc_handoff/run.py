@@ -17,12 +17,14 @@ asyncio's connections are upgraded too, when the program imports :mod:`asyncio`
 (:mod:`smc_handoff.aio_loop`: ``create_connection``/``create_server`` with any protocol, streams,
 the ``sock_*`` methods), the handoff running off the event loop.
 
+TLS runs over the channel: ``ssl`` wrapping a connection on SMC keeps it there
+(:mod:`smc_handoff.tls`; a listener that ``ssl`` wraps unregisters, a socket wrapped before
+``connect()`` is not handed off).
+
 Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
-non-blocking when ``listen()`` is called (a select loop of the program's own), TLS connections
-(``ssl`` takes the descriptor over with ``detach()``: an upgraded socket then closes its channel
-and continues on TCP, a listener unregisters; asyncio's ``ssl=`` is never handed off), event
-loops other than asyncio's selector loop (uvloop: ``-v`` says so), and every socket when no daemon
-runs: the program never breaks because smcd is absent.
+non-blocking when ``listen()`` is called (a select loop of the program's own), event loops other
+than asyncio's selector loop (uvloop: ``-v`` says so), and every socket when no daemon runs: the
+program never breaks because smcd is absent.
 """
 
 from __future__ import annotations
@@ -52,7 +54,14 @@ from smc_handoff.launch import (  # main: `python -m smc_handoff.run` is smc-run
     ENV_VERBOSE,
     main,
 )
-from smc_handoff.socket import SmcSocket, accepted, connection_at, is_eventfd, may_defer_accept
+from smc_handoff.socket import (
+    SmcSocket,
+    accepted,
+    connection_at,
+    handing_to_tls,
+    is_eventfd,
+    may_defer_accept,
+)
 
 __all__ = [
     "AutoSocket",
@@ -166,10 +175,10 @@ class AutoSocket(SmcSocket):
         report("connect", self, address)
         return self
 
-    def serve_from_loop(self, tls: bool) -> None:
-        """An event loop serves this listener: register it (once, unless TLS: then never) and
-        leave the handoff of accepted connections to the loop (see :func:`take_deferred`)."""
-        if tls or not (self._upgrade and _eligible(self)):
+    def serve_from_loop(self) -> None:
+        """An event loop serves this listener: register it (once) and leave the handoff of
+        accepted connections to the loop (see :func:`take_deferred`)."""
+        if not (self._upgrade and _eligible(self)):
             self._late_listener = False
             if self._registration is not None:
                 self._registration.close()
@@ -311,24 +320,75 @@ def _carries_eventfd(item: Any) -> bool:
 
 
 def _patch_ssl(ssl: Any) -> None:
-    """Make ``ssl`` take upgraded sockets over correctly: leave the channel first (TLS then runs
-    on TCP), and never upgrade an ``SSLSocket`` itself (its I/O bypasses our methods)."""
+    """Make ``ssl`` run TLS over the channel of a connection on SMC (:mod:`smc_handoff.tls`):
+    the ``SSLSocket`` it makes is another socket object for the connection (a class deriving
+    from the context's ``sslsocket_class`` and :class:`SmcSocket`, unless that one derives from
+    ours already, as when ``ssl`` was imported after smc-run installed itself) and OpenSSL's
+    records go through the channel. An ``SSLSocket`` is never upgraded itself (a TLS listener
+    hands nothing off; a socket wrapped before ``connect()`` stays on TCP)."""
+    from smc_handoff.tls import ChannelTls
+
     wrap_socket = ssl.SSLContext.wrap_socket
+    wrap_fd = ssl.SSLContext._wrap_socket
+    combined: dict[type, type] = {}
+
+    def over_channel(cls: type) -> Any:
+        if issubclass(cls, SmcSocket):
+            return cls
+        if cls not in combined:
+            combined[cls] = type(cls.__name__, (cls, SmcSocket), {"__module__": cls.__module__})
+        return combined[cls]
 
     @functools.wraps(wrap_socket)
-    def smc_wrap_socket(self: Any, sock: Any, *args: Any, **kwargs: Any) -> Any:
+    def smc_wrap_socket(
+        self: Any,
+        sock: Any,
+        server_side: bool = False,
+        do_handshake_on_connect: bool = True,
+        suppress_ragged_eofs: bool = True,
+        server_hostname: Any = None,
+        session: Any = None,
+    ) -> Any:
         if isinstance(sock, SmcSocket):
-            on_smc = sock.mode != "tcp"
-            sock.leave_channel()
-            if on_smc and _verbose:  # its connect/accept line said smcd: TLS runs on TCP
-                with contextlib.suppress(OSError):
-                    report("ssl", sock, sock.getpeername())
             if isinstance(sock, AutoSocket) and sock._registration is not None:
                 sock._registration.close()  # a TLS listener hands nothing off
                 sock._registration = None
-        return wrap_socket(self, sock, *args, **kwargs)
+            if sock.mode != "tcp":  # (mode: a deferred handoff's answer)
+                with handing_to_tls(sock):
+                    tls = over_channel(self.sslsocket_class)._create(
+                        sock=sock,
+                        server_side=server_side,
+                        do_handshake_on_connect=do_handshake_on_connect,
+                        suppress_ragged_eofs=suppress_ragged_eofs,
+                        server_hostname=server_hostname,
+                        context=self,
+                        session=session,
+                    )
+                if _verbose:
+                    with contextlib.suppress(OSError):
+                        report("ssl", tls, tls.getpeername())
+                return tls
+        return wrap_socket(self, sock, server_side, do_handshake_on_connect,
+                           suppress_ragged_eofs, server_hostname, session)  # fmt: skip
+
+    def smc_wrap_fd(
+        self: Any,
+        sock: Any,
+        server_side: bool,
+        server_hostname: Any = None,
+        *,
+        owner: Any = None,
+        session: Any = None,
+    ) -> Any:
+        if isinstance(sock, SmcSocket) and sock._smc is not None:  # an SSLSocket on SMC
+            incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+            obj = self._wrap_bio(incoming, outgoing, server_side, server_hostname,
+                                 owner=owner, session=session)  # fmt: skip
+            return ChannelTls(obj, incoming, outgoing, sock, SmcSocket)
+        return wrap_fd(self, sock, server_side, server_hostname, owner=owner, session=session)
 
     ssl.SSLContext.wrap_socket = smc_wrap_socket
+    ssl.SSLContext._wrap_socket = smc_wrap_fd
     if issubclass(ssl.SSLSocket, AutoSocket):
         ssl.SSLSocket._upgrade = False
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import _socket as _csocket
 import contextlib
+import contextvars
 import errno
 import functools
 import logging
@@ -63,7 +64,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fcntl import F_GETFL as _F_GETFL
 from fcntl import F_SETFL as _F_SETFL
@@ -157,6 +158,23 @@ socket's entry goes with its close (a collected one's dead reference at the next
 LEAVE_WAIT_S = 2.0
 """How long a socket that carried data waits for its peer to leave the channel too (see
 :meth:`SmcSocket.leave_channel`): in STARTTLS the second end comes within a round trip."""
+
+
+_tls_takeover: contextvars.ContextVar[SmcSocket | None] = contextvars.ContextVar(
+    "smc_tls_takeover", default=None
+)
+
+
+@contextlib.contextmanager
+def handing_to_tls(sock: SmcSocket) -> Iterator[None]:
+    """While ``ssl.SSLContext.wrap_socket`` makes an ``SSLSocket`` of ``sock`` (on SMC) that
+    keeps its channel (:mod:`smc_handoff.tls`): ``sock.detach()`` then lets go without leaving
+    the channel."""
+    token = _tls_takeover.set(sock)
+    try:
+        yield
+    finally:
+        _tls_takeover.reset(token)
 
 
 def connection_at(fd: int) -> SmcSocket | None:
@@ -1394,7 +1412,9 @@ class SmcSocket(_BaseSocket):
         super().__del__()  # type: ignore[misc]
 
     def leave_channel(self) -> None:
-        """Continue on TCP: what ``ssl`` needs before it takes a socket over. Before any byte
+        """Continue on TCP: what ``detach()`` needs before the descriptor is used directly
+        (``ssl`` when its ``SSLSocket`` does not derive from ours, see
+        :mod:`smc_handoff.tls`; C code given the number). Before any byte
         moved over the channel at once (the TCP stream is clean after CLC; with TLS at both
         ends both leave before the handshake). After data moved (STARTTLS: a plaintext
         exchange, then TLS) only together with the peer, which leaves in its own
@@ -1457,7 +1477,14 @@ class SmcSocket(_BaseSocket):
             ch.rx_lock.release()
 
     def detach(self) -> int:
-        """Give up the TCP descriptor (after :meth:`leave_channel` on SMC)."""
+        """Give up the TCP descriptor (after :meth:`leave_channel` on SMC). While ``ssl``
+        takes this socket over to run TLS over its channel (:func:`handing_to_tls`), the
+        ``SSLSocket`` it made holds the connection already (its own copy of the descriptor,
+        as ``dup()`` makes): this object only lets go of its hold and its copy."""
+        if _tls_takeover.get() is self:
+            self._closed = True  # what socket.detach() does before giving the number away
+            self._real_close()
+            return -1
         self.leave_channel()
         return super().detach()
 

@@ -221,8 +221,9 @@ else:
 '''
 
 TLS_PAIR = r'''
-"""An asyncio TLS echo (ssl= on both sides) and, beside it, a plain one: under smc-run the TLS
-pair stays on TCP, the plain one is upgraded; both carry their bytes."""
+"""An asyncio TLS echo (ssl= on both sides) and, beside it, a plain one: under smc-run both
+are upgraded (TLS runs over the channel) and carry their bytes; each echo line says the mode
+of the connection beneath the client's transport and the TLS version."""
 import asyncio, ssl, sys
 
 cert, key = sys.argv[1], sys.argv[2]
@@ -245,7 +246,11 @@ async def main():
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, ssl=ctx, server_hostname="localhost" if ctx else None)
         writer.write(b"over %d\n" % port)
-        print("echo", (await reader.readline()).decode().strip(), flush=True)
+        line = (await reader.readline()).decode().strip()
+        smc = writer.get_extra_info("smc_socket")
+        obj = writer.get_extra_info("ssl_object")
+        print("echo", line, smc.mode if smc is not None else "tcp",
+              obj.version() if obj is not None else "plain", flush=True)
         writer.close()
     tls.close()
     plain.close()

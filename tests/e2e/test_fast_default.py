@@ -1902,30 +1902,6 @@ def test_a_local_client_in_peers_gets_the_whole_proposal_wait() -> None:
     assert "local_client_wait" not in serr, serr
 
 
-TLS_SERVER = r"""
-import socket, ssl, sys
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(sys.argv[1], sys.argv[2])
-lsock = socket.create_server(("127.0.0.1", 0))
-print("PORT", lsock.getsockname()[1], flush=True)
-for _ in range(2):
-    conn, _ = lsock.accept()
-    with ctx.wrap_socket(conn, server_side=True) as tls:
-        tls.sendall(tls.recv(100).upper())
-"""
-
-TLS_CLIENT = r"""
-import socket, ssl, sys
-ctx = ssl.create_default_context(cafile=sys.argv[2])
-ctx.check_hostname = False
-for i in range(2):
-    with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as raw:
-        with ctx.wrap_socket(raw) as tls:
-            tls.sendall(b"hello %d" % i)
-            print(tls.recv(100).decode(), flush=True)
-"""
-
-
 def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
     """A self-signed certificate for localhost and its key (openssl)."""
     openssl = shutil.which("openssl")
@@ -1935,23 +1911,6 @@ def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
                     "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
                    check=True, capture_output=True, timeout=60)  # fmt: skip
     return cert, key
-
-def test_tls_over_smc_run_says_it_left_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
-    """``ssl`` takes an upgraded socket over: the connection leaves its channel before the TLS
-    handshake and TLS runs on TCP. ``smc-run -v`` said ``smcd`` at connect and accept; it now
-    also says, for each end, that TLS took the connection to TCP (``DETACHED``)."""
-    cert, key = _test_cert(tmp_path)
-    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
-    client, _, _, serr = _serve_then_run(nocfg, server, TLS_CLIENT, cert)
-    assert client.returncode == 0, client.stderr[-3000:]
-    assert client.stdout == "HELLO 0\nHELLO 1\n", client.stderr
-    for side, err in (("connect", client.stderr), ("accept", serr)):
-        ops = [ln.split(": ", 1)[1] for ln in err.splitlines() if ln.startswith("smc-run[")]
-        ops = [ln for ln in ops if not ln.startswith("listen ")]
-        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 2, err
-        assert all(": smcd conn " in op for op in ops[0::2]), err
-        assert all(": tcp (DETACHED (0xff000004)" in op for op in ops[1::2]), err
-
 
 
 STARTTLS_SERVER = r"""
@@ -1994,30 +1953,6 @@ for i in range(3):
             print(tls.recv(100).decode().strip(), flush=True)
 """
 
-
-def test_starttls_leaves_the_channel_at_both_ends(nocfg: PrivateSmcd, tmp_path: Path) -> None:
-    """STARTTLS (as SMTP, IMAP, POP3, LDAP do it): a plaintext exchange over SMC, then
-    ``wrap_socket`` at both ends. ``ssl`` reads the TCP descriptor itself, so after data moved
-    an end can leave the channel only together with its peer (each end in its own
-    ``wrap_socket``, nothing unread on either side); before, it raised EOPNOTSUPP and the
-    program failed where it works on TCP. The plaintext ran on smcd, TLS runs on TCP, and
-    ``smc-run -v`` says so for each end with the bytes that moved over SMC first."""
-    cert, key = _test_cert(tmp_path)
-    server = _smc_run(_env(nocfg), STARTTLS_SERVER, cert, key)
-    client, _, _, serr = _serve_then_run(nocfg, server, STARTTLS_CLIENT, cert)
-    assert client.returncode == 0, client.stderr[-3000:]
-    assert client.stdout.split("\n")[:3] == ["100001 TLSv1.3"] * 3, client.stdout
-    for side, err, sent, received in (("connect", client.stderr, 19, 50),
-                                      ("accept", serr, 50, 19)):  # fmt: skip
-        ops = [ln.split(": ", 1)[1] for ln in err.splitlines() if ln.startswith("smc-run[")]
-        ops = [ln for ln in ops if not ln.startswith("listen ")]
-        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 3, err
-        assert all(": smcd conn " in op for op in ops[0::2]), err
-        assert all(
-            f": tcp (DETACHED (0xff000004): the application took the TCP socket over after "
-            f"{sent} bytes sent and {received} received over SMC" in op
-            for op in ops[1::2]
-        ), err
 
 LINK_LOCAL = r"""
 import socket

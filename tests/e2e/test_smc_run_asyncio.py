@@ -284,19 +284,21 @@ def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
     )  # fmt: skip
     return cert, key
 
-def test_tls_stays_on_tcp(programs: Programs, tmp_path: Path) -> None:
-    """asyncio's ssl= (server and client) is never handed off: its listener is not registered
-    and its connections stay on TCP, while a plain server in the same program is upgraded."""
+def test_tls_runs_over_the_channel(programs: Programs, tmp_path: Path) -> None:
+    """asyncio's ssl= (server and client) is handed off as any connection: the listener is
+    registered, the connection is on smcd and asyncio's TLS protocol runs over the channel
+    (it stayed on TCP, not handed off, before TLS could run over SMC); a plain server in the
+    same program is upgraded as before."""
     cert, key = _test_cert(tmp_path)
     proc = programs.start([os.fspath(PYTHON), "-c", TLS_PAIR, os.fspath(cert), os.fspath(key)])
     tls_port, plain_port = map(int, _line(proc, r"ports (\d+) (\d+)").groups())
-    assert _line(proc, r"echo (.*)").group(1) == f"over {tls_port}"
-    assert _line(proc, r"echo (.*)").group(1) == f"over {plain_port}"
+    assert _line(proc, r"echo (.*)").group(1) == f"over {tls_port} smcd TLSv1.3"
+    assert _line(proc, r"echo (.*)").group(1) == f"over {plain_port} smcd plain"
     assert proc.wait(20) == 0
     (err,) = programs.stop()
-    assert not re.search(rf"{tls_port}.*: (registered|smcd)", err), err
-    assert re.search(rf"listen .*{plain_port}.*: registered as listener", err), err
-    assert re.search(rf"connect .*{plain_port}.*: smcd conn \d+", err), err
+    for port in (tls_port, plain_port):
+        assert re.search(rf"listen .*{port}.*: registered as listener", err), err
+        assert re.search(rf"connect .*{port}.*: smcd conn \d+", err), err
 
 
 def test_starttls_runs_tls_over_the_channel(programs: Programs, tmp_path: Path) -> None:

@@ -1,0 +1,179 @@
+"""TLS over an SMC channel: ``ssl`` wrapping a socket that is on SMC keeps it there.
+
+CPython's ``ssl.SSLSocket`` hands the TCP descriptor to OpenSSL, which reads and writes it
+itself, past the channel. So until now a connection that ``ssl`` took over left its channel
+first and TLS ran on TCP (and after a plaintext exchange, STARTTLS, both ends had to leave
+together). The kernel's AF_SMC has no such limit: TLS is bytes over the socket like any other.
+
+Here the ``SSLSocket`` that ``wrap_socket`` makes from a socket on SMC (under smc-run the class
+derives from :class:`~smc_handoff.socket.SmcSocket`, so it is another socket object for the
+same connection, as ``dup()`` makes) gets, as its ``_sslobj``, a :class:`ChannelTls`: OpenSSL
+through two memory BIOs, whose records this object moves over the channel with the socket's own
+channel methods, in the socket's blocking mode and timeout. Everything of ``SSLSocket`` then
+works unchanged above it (``recv``, ``sendall``, ``makefile``, ``getpeercert``, ``version``,
+``unwrap``, ``pending``...), and a peer whose TLS runs over the same channel (blocking, or
+asyncio's ``start_tls`` over an :class:`~smc_handoff.aio_transport.SmcTransport`) sees the
+same TLS stream it would see over TCP.
+
+A non-blocking socket behaves as ``ssl``'s: ``SSLWantReadError`` when the peer's records are
+not there yet, ``SSLWantWriteError`` when the channel has no room for a record (the write is
+then retried with the same data, as OpenSSL requires, and counts once).
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from smc_handoff.socket import SmcSocket
+
+__all__ = ["ChannelTls"]
+
+_T = TypeVar("_T")
+_HEADER = 5
+"""A TLS record's header: type, version, length (big-endian, 16 bits)."""
+_MAX_RECORD = 0xFFFF
+"""The most a record's length field can say (real records stay under 16.5 KiB)."""
+
+
+class ChannelTls:
+    """The ``_sslobj`` of an ``SSLSocket`` whose connection runs over an SMC channel."""
+
+    def __init__(self, sslobj: Any, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
+                 owner: SmcSocket, io: type[SmcSocket]) -> None:  # fmt: skip
+        self._obj = sslobj  # ``_ssl._SSLSocket`` made by ``SSLContext._wrap_bio``
+        self._in = incoming
+        self._out = outgoing
+        self._owner = owner
+        self._recv_into: Callable[[Any, Any], int] = io.recv_into  # the channel's, not SSL's
+        self._send: Callable[[Any, Any], int] = io.send
+        self._unsent = b""  # records a non-blocking send left behind
+        self._tx_lock = threading.Lock()
+        self._written = 0  # a non-blocking write() that OpenSSL took but could not flush
+        self._view = memoryview(bytearray(_HEADER + _MAX_RECORD))
+        self._got = 0  # bytes of the current record's header read
+        self._left = 0  # bytes of its body still to read
+
+    # -- moving records ------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Send what OpenSSL wrote, in order: a reading thread that flushes (a handshake
+        message, a KeyUpdate's answer) and a writing thread must not interleave records."""
+        with self._tx_lock:
+            if self._out.pending:
+                data = self._unsent + self._out.read()
+            elif self._unsent:
+                data = self._unsent
+            else:
+                return
+            self._unsent = b""
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[self._send(self._owner, view) :]
+            except BlockingIOError:
+                self._unsent = bytes(view)
+                raise ssl.SSLWantWriteError(ssl.SSL_ERROR_WANT_WRITE, "The operation did not "
+                                            "complete (write)") from None  # fmt: skip
+
+    def _fill(self) -> None:
+        """Read the rest of the current record (its 5-byte header, then its body), never past
+        it: after a close_notify the bytes that follow are the plaintext of an ``unwrap()``ed
+        connection, which must stay in the channel (OpenSSL reads a descriptor so too). A
+        blocking socket reads the whole record here; a non-blocking one what is there."""
+        view, got, read = self._view, 0, self._recv_into
+        while True:
+            header = self._got < _HEADER
+            want = view[self._got : _HEADER] if header else view[_HEADER : _HEADER + self._left]
+            try:
+                n = read(self._owner, want)
+            except BlockingIOError:
+                if got:
+                    return  # OpenSSL asks again for the rest
+                raise ssl.SSLWantReadError(ssl.SSL_ERROR_WANT_READ, "The operation did not "
+                                           "complete (read)") from None  # fmt: skip
+            if not n:
+                self._in.write_eof()
+                return
+            got += n
+            self._in.write(want[:n])
+            if header:
+                self._got += n
+                if self._got == _HEADER:
+                    self._left = int.from_bytes(view[3:5], "big")
+            else:
+                self._left -= n
+            if self._got == _HEADER and not self._left:
+                self._got = 0  # the record is whole: a header next
+                return
+
+    def _run(self, op: Callable[..., _T], *args: Any) -> _T:
+        """Run an OpenSSL call to its end: its records out, the peer's in, as it asks."""
+        while True:
+            try:
+                result = op(*args)
+            except ssl.SSLWantReadError:
+                self._flush()  # what it wrote first (a handshake flight) goes out before we wait
+                self._fill()
+                continue
+            self._flush()
+            return result
+
+    # -- what SSLSocket calls ------------------------------------------------------------------
+
+    def do_handshake(self) -> None:
+        self._run(self._obj.do_handshake)
+
+    def read(self, len: int = 1024, buffer: Any = None) -> Any:
+        if self._unsent:
+            self._flush()
+        if buffer is None:
+            return self._run(self._obj.read, len)
+        return self._run(self._obj.read, len, buffer)
+
+    def write(self, data: Any) -> int:
+        if self._written:  # the retry of a write whose records did not all go out
+            self._flush()
+            done, self._written = self._written, 0
+            return done
+        if self._unsent:
+            self._flush()
+        n: int = self._obj.write(data)
+        try:
+            self._flush()
+        except ssl.SSLWantWriteError:
+            self._written = n
+            raise
+        return n
+
+    def pending(self) -> int:
+        return int(self._obj.pending())
+
+    def shutdown(self) -> SmcSocket:
+        """``unwrap()``: close_notify both ways; the socket goes on in plaintext."""
+        self._run(self._obj.shutdown)
+        return self._owner
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        return self._obj.context  # type: ignore[no-any-return]
+
+    @context.setter
+    def context(self, ctx: ssl.SSLContext) -> None:
+        self._obj.context = ctx
+
+    @property
+    def session(self) -> ssl.SSLSession | None:
+        return self._obj.session  # type: ignore[no-any-return]
+
+    @session.setter
+    def session(self, session: ssl.SSLSession | None) -> None:
+        self._obj.session = session
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything that is no I/O: ``getpeercert``, ``cipher``, ``version``,
+        ``selected_alpn_protocol``, ``get_channel_binding``, ``session_reused``..."""
+        return getattr(self._obj, name)

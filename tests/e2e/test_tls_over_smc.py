@@ -1,0 +1,370 @@
+"""TLS over SMC: ``ssl`` wrapping a connection on SMC keeps it there (smc_handoff.tls).
+
+Unmodified programs under ``smc-run`` against a private smcd with no configuration, each also
+run on plain TCP (the oracle: the same output). The server reports its TCP socket's byte
+counters (``TCP_INFO``): over SMC the TCP stream carries the CLC handshake only, so a TLS
+handshake (a certificate: well over 500 bytes) that went on TCP would show there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smcd_daemon.demo import PrivateSmcd
+from tests.e2e.test_fast_default import (
+    PYTHON,
+    STARTTLS_CLIENT,
+    _env,
+    _modes,
+    _serve_then_run,
+    _smc_run,
+    _started,
+    _test_cert,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+COUNTERS = r"""
+import socket, struct
+def tcp_bytes(sock):
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+    acked, received = struct.unpack_from("QQ", info, 120)  # tcpi_bytes_acked, _received
+    return acked + received
+"""
+
+TLS_SERVER = (
+    COUNTERS
+    + r"""
+import ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    conn, _ = lsock.accept()
+    with ctx.wrap_socket(conn, server_side=True) as tls:
+        f = tls.makefile("rb")
+        line = f.readline()
+        tls.sendall(line.upper() + b"x" * 200000 + b"\n")
+        assert f.readline() == b"BYE\n"
+        assert f.read() == b""  # the client closes first (its close_notify, if any, then EOF)
+        f.close()
+        print(tls.version(), tls.cipher()[1], tcp_bytes(tls), flush=True)
+"""
+)
+
+TLS_CLIENT = r"""
+import socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+for i in range(2):
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            tls.sendall(b"hello %d\n" % i)
+            f = tls.makefile("rb")
+            first = f.readline()
+            rest = f.readline()
+            f.close()
+            tls.sendall(b"BYE\n")
+            print(first.decode().strip(), len(rest), tls.version(), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def nocfg() -> Iterator[PrivateSmcd]:
+    with _started("", "tlsover") as daemon:
+        yield daemon
+
+
+def _tcp(daemon: PrivateSmcd, server: str, client: str, *args: object) -> tuple[str, str]:
+    """The pair on plain TCP: client and server stdout."""
+    env = _env(daemon)
+    plain = [os.fspath(PYTHON), "-c"]
+    proc = subprocess.Popen([*plain, server, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = proc.stdout.readline().split()[1]
+        done = subprocess.run([*plain, client, port, *map(str, args[:1])], env=env, text=True,
+                              capture_output=True, timeout=60)  # fmt: skip
+        sout, serr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert done.returncode == 0 and proc.returncode == 0, (done.stderr, serr)
+    return done.stdout, sout
+
+
+def _ops(stderr: str) -> list[str]:
+    """smc-run -v's lines after the prefix, the listener's left out."""
+    ops = [ln.split(": ", 1)[1] for ln in stderr.splitlines() if ln.startswith("smc-run[")]
+    return [op for op in ops if not op.startswith("listen ")]
+
+
+def test_tls_runs_over_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """A TLS server that wraps what it accepts and a client that wraps what it connects (as
+    ``http.client``, ``smtplib``, ``urllib3`` do): the handshake and ~200 KB of records go over
+    the channel, the TCP stream carries CLC only, ``smc-run -v`` says ``ssl ...: smcd`` for the
+    connection it reported at connect and accept, and the programs print what they print on
+    TCP."""
+    cert, key = _test_cert(tmp_path)
+    tcp_client, tcp_server = _tcp(nocfg, TLS_SERVER, TLS_CLIENT, cert, key)
+    tcp_counts = [int(line.split()[2]) for line in tcp_server.splitlines()]
+    assert all(n > 2000 for n in tcp_counts), tcp_server  # the oracle: TLS on TCP shows
+    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, TLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == tcp_client, (client.stdout, tcp_client)
+    assert client.stdout == "HELLO 0 200001 TLSv1.3\nHELLO 1 200001 TLSv1.3\n"
+    assert [line.split()[:2] for line in sout.splitlines()] == [
+        line.split()[:2] for line in tcp_server.splitlines()
+    ], sout
+    smc_counts = [int(line.split()[2]) for line in sout.splitlines()]
+    assert all(n < 500 for n in smc_counts), sout  # CLC only: no TLS byte on TCP
+    for side, err in (("connect", client.stderr), ("accept", serr)):
+        ops = _ops(err)
+        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 2, err
+        for opened, tls in zip(ops[0::2], ops[1::2], strict=True):
+            conn = opened.split(": ", 1)[1]
+            assert conn.startswith("smcd conn ") and tls.split(": ", 1)[1] == conn, err
+
+
+def test_starttls_runs_over_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """STARTTLS (SMTP, IMAP, POP3, LDAP): a plaintext exchange, then ``wrap_socket`` at both
+    ends; TLS goes on over the same channel from that point (it used to need both ends to
+    leave the channel together, with nothing unread, and then ran on TCP)."""
+    from tests.e2e.test_fast_default import STARTTLS_SERVER
+
+    cert, key = _test_cert(tmp_path)
+    server = _smc_run(_env(nocfg), STARTTLS_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, STARTTLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout.split("\n")[:3] == ["100001 TLSv1.3"] * 3, client.stdout
+    for side, err in (("connect", client.stderr), ("accept", serr)):
+        ops = _ops(err)
+        assert [op.split(" ", 1)[0] for op in ops] == [side, "ssl"] * 3, err
+        assert all(": smcd conn " in op for op in ops), err
+
+
+ASYNC_STARTTLS_SERVER = r"""
+import asyncio, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+done = 0
+async def serve(reader, writer):
+    global done
+    writer.write(b"220 ready\r\n")
+    assert await reader.readline() == b"EHLO me\r\n"
+    writer.write(b"250-hello\r\n250 STARTTLS\r\n")
+    assert await reader.readline() == b"STARTTLS\r\n"
+    writer.write(b"220 go ahead\r\n")
+    await writer.drain()
+    await writer.start_tls(ctx)
+    data = await reader.readline()
+    version = writer.get_extra_info("ssl_object").version()
+    writer.write(b"%d %s\n" % (len(data), version.encode()))
+    await writer.drain()
+    writer.close()
+    done += 1
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1 << 20)
+    print("PORT", server.sockets[0].getsockname()[1], flush=True)
+    while done < 3:
+        await asyncio.sleep(0.01)
+asyncio.run(main())
+"""
+
+
+def test_starttls_between_a_blocking_client_and_an_asyncio_server(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """asyncio's ``start_tls`` runs TLS over an SMC transport's channel; a blocking peer's
+    ``wrap_socket`` now does too, so the two meet (before, the blocking end waited 2 s for its
+    peer to leave the channel with it and failed with EOPNOTSUPP)."""
+    cert, key = _test_cert(tmp_path)
+    server = _smc_run(_env(nocfg), ASYNC_STARTTLS_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, STARTTLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout.split("\n")[:3] == ["100001 TLSv1.3"] * 3, client.stdout
+    ops = _ops(client.stderr)
+    assert [op.split(" ", 1)[0] for op in ops] == ["connect", "ssl"] * 3, client.stderr
+    assert all(": smcd conn " in op for op in ops), client.stderr
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 3, serr
+
+
+NONBLOCKING_SERVER = (
+    COUNTERS
+    + r"""
+import select, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+tls = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+tls.setblocking(False)
+def retry(op, *args):
+    while True:
+        try:
+            return op(*args)
+        except ssl.SSLWantReadError:
+            select.select([tls], [], [], 10)
+        except ssl.SSLWantWriteError:
+            select.select([], [tls], [], 10)
+wants = 0
+retry(tls.do_handshake)
+got = b""
+while not got.endswith(b"\n"):
+    try:
+        got += tls.recv(65536)
+    except ssl.SSLWantReadError:
+        wants += 1
+        select.select([tls], [], [], 10)
+retry(tls.sendall, b"%d\n" % len(got))
+plain = retry(tls.unwrap)  # close_notify both ways: the socket goes on in plaintext
+plain.setblocking(True)
+assert plain.recv(100) == b"plain again\n"
+plain.sendall(b"ok\n")
+print(len(got), wants > 0, tcp_bytes(plain), flush=True)
+plain.close()
+"""
+)
+
+NONBLOCKING_CLIENT = r"""
+import socket, ssl, sys, time
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+raw = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20)
+tls = ctx.wrap_socket(raw)
+tls.settimeout(0.2)  # the server's non-blocking recv finds nothing first; nor do we
+try:
+    tls.recv(10)
+except TimeoutError as e:
+    print("timed out", type(e).__name__, flush=True)
+tls.settimeout(20)
+tls.sendall(b"y" * 300000 + b"\n")
+print(tls.recv(100).decode().strip(), flush=True)
+plain = tls.unwrap()
+plain.sendall(b"plain again\n")
+print(plain.recv(100).decode().strip(), flush=True)
+plain.close()
+"""
+
+
+def test_non_blocking_tls_and_unwrap_over_the_channel(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """A non-blocking ``SSLSocket`` on SMC behaves as on TCP (``SSLWantReadError`` while the
+    peer's records are not there, ``select`` on it until they are), and ``unwrap()`` (both
+    close_notify) leaves a plaintext connection going on over the same channel; a timeout on
+    a read raises ``TimeoutError`` as on TCP."""
+    cert, key = _test_cert(tmp_path)
+    tcp_client, tcp_server = _tcp(nocfg, NONBLOCKING_SERVER, NONBLOCKING_CLIENT, cert, key)
+    server = _smc_run(_env(nocfg), NONBLOCKING_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, NONBLOCKING_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    expected = "timed out TimeoutError\n300001\nok\n"
+    assert client.stdout == tcp_client == expected, (client.stdout, tcp_client)
+    assert sout.split()[:2] == tcp_server.split()[:2] == ["300001", "True"], (sout, tcp_server)
+    assert int(sout.split()[2]) < 500 < int(tcp_server.split()[2]), (sout, tcp_server)
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")], serr
+
+
+ASYNC_TLS_CLIENT = r"""
+import asyncio, ssl, sys
+async def main():
+    ctx = ssl.create_default_context(cafile=sys.argv[2])
+    ctx.check_hostname = False
+    for i in range(2):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", int(sys.argv[1]), ssl=ctx, limit=1 << 20)
+        writer.write(b"hello %d\n" % i)
+        first = await reader.readline()
+        rest = await reader.readline()
+        writer.write(b"BYE\n")
+        await writer.drain()
+        version = writer.get_extra_info("ssl_object").version()
+        print(first.decode().strip(), len(rest), version, flush=True)
+        writer.close()
+        await writer.wait_closed()
+asyncio.run(main())
+"""
+
+ASYNC_TLS_SERVER = r"""
+import asyncio, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+done = 0
+async def serve(reader, writer):
+    global done
+    line = await reader.readline()
+    writer.write(line.upper() + b"x" * 200000 + b"\n")
+    assert await reader.readline() == b"BYE\n"
+    smc = writer.get_extra_info("smc_socket")
+    print(writer.get_extra_info("ssl_object").version(), smc.mode, flush=True)
+    writer.close()
+    done += 1
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=ctx)
+    print("PORT", server.sockets[0].getsockname()[1], flush=True)
+    while done < 2:
+        await asyncio.sleep(0.01)
+asyncio.run(main())
+"""
+
+
+def test_asyncio_ssl_and_blocking_tls_meet_over_the_channel(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """asyncio's ``ssl=`` is handed off as any connection and runs its TLS protocol over the
+    channel, so an asyncio TLS client and a blocking TLS server (and the other way round) meet
+    there, each end as it would over TCP."""
+    cert, key = _test_cert(tmp_path)
+    expected = "HELLO 0 200001 TLSv1.3\nHELLO 1 200001 TLSv1.3\n"
+    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, ASYNC_TLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == expected, client.stdout
+    assert all(int(line.split()[2]) < 500 for line in sout.splitlines()), sout
+    assert [m[:2] for m in _modes(client.stderr)] == [("connect", "smcd")] * 2, client.stderr
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 2, serr
+    server = _smc_run(_env(nocfg), ASYNC_TLS_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, TLS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == expected, client.stdout
+    assert sout == "TLSv1.3 smcd\n" * 2, sout
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 2, serr
+
+
+EARLY_CLIENT = r"""
+import socket, ssl, sys
+from smc_handoff.socket import SmcSocket
+print("early", not issubclass(ssl.SSLSocket, SmcSocket), flush=True)
+""" + TLS_CLIENT.split("\n", 2)[2]
+
+
+def test_ssl_imported_before_smc_run_runs_tls_over_the_channel_too(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """A ``.pth`` file that imports ``ssl`` (``pip-system-certs`` and the like do) runs before
+    smc-run installs itself, so ``ssl.SSLSocket`` derives from the plain socket class: the
+    ``SSLSocket`` made for a connection on SMC is then of a class that derives from both, and
+    TLS runs over the channel as in a process that imported ``ssl`` later (an end that left
+    the channel while its peer stayed would break the connection)."""
+    cert, key = _test_cert(tmp_path)
+    site = tmp_path / "userbase" / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "early_ssl.pth").write_text("import ssl\n")
+    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
+    userbase = f"PYTHONUSERBASE={tmp_path / 'userbase'}"
+    client, _, sout, _ = _serve_then_run(
+        nocfg, server, EARLY_CLIENT, cert, prefix=("env", userbase)
+    )
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == "early True\nHELLO 0 200001 TLSv1.3\nHELLO 1 200001 TLSv1.3\n"
+    assert all(int(line.split()[2]) < 500 for line in sout.splitlines()), sout
+    ops = _ops(client.stderr)
+    assert [op.split(" ", 1)[0] for op in ops] == ["connect", "ssl"] * 2, client.stderr
+    assert all(": smcd conn " in op for op in ops), client.stderr
