@@ -18,8 +18,8 @@ asyncio's connections are upgraded too, when the program imports :mod:`asyncio`
 the ``sock_*`` methods), the handoff running off the event loop.
 
 TLS runs over the channel: ``ssl`` wrapping a connection on SMC keeps it there
-(:mod:`smc_handoff.tls`; a listener that ``ssl`` wraps unregisters, a socket wrapped before
-``connect()`` is not handed off).
+(:mod:`smc_handoff.tls`), a listener that ``ssl`` wraps stays registered and a socket wrapped
+before ``connect()`` is handed off by it.
 
 Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
 non-blocking when ``listen()`` is called (a select loop of the program's own), event loops other
@@ -147,7 +147,6 @@ class AutoSocket(SmcSocket):
     """What ``socket.socket`` is under smc-run: a plain socket until a TCP connection exists."""
 
     _registration: Registration | None
-    _upgrade = True  # False in ssl.SSLSocket, which subclasses us once smc-run is installed
     loop_connects = False
     """asyncio connects this socket (its ``sock_connect``), and hands it off itself."""
 
@@ -160,13 +159,24 @@ class AutoSocket(SmcSocket):
     def _upgrade_client(self, address: Any) -> None:
         """Offer the connection to smcd; its reply is read when the socket is first used
         (see ``SmcSocket._handoff``'s ``defer``: a thread that connects and then accepts)."""
-        if self._upgrade and _eligible(self) and self.gettimeout() != 0 and self._smc is None:
+        if _eligible(self) and self.gettimeout() != 0 and self._smc is None:
             self._handoff(server_side=False, defer=_reporter(address))
+
+    def connected_or_pending(self) -> bool:
+        """On SMC, handed off, or a connected TCP socket (not one ``connect()`` is still to
+        come for: what ``ssl`` wraps before connecting)."""
+        if self._smc is not None or self._pending is not None:
+            return True
+        try:
+            self.getpeername()
+        except OSError:
+            return False
+        return True
 
     @property
     def can_upgrade(self) -> bool:
         """A TCP stream socket no handoff was tried on yet (what an event loop hands off)."""
-        return self._upgrade and _eligible(self) and self.mode == "tcp" and self.fallback is None
+        return _eligible(self) and self.mode == "tcp" and self.fallback is None
 
     def hand_off_client(self, address: Any, dmb_size: int = 0) -> AutoSocket:
         """Hand this connected socket off now (blocking: an event loop calls it in the
@@ -178,7 +188,7 @@ class AutoSocket(SmcSocket):
     def serve_from_loop(self) -> None:
         """An event loop serves this listener: register it (once) and leave the handoff of
         accepted connections to the loop (see :func:`take_deferred`)."""
-        if not (self._upgrade and _eligible(self)):
+        if not _eligible(self):
             self._late_listener = False
             if self._registration is not None:
                 self._registration.close()
@@ -209,7 +219,7 @@ class AutoSocket(SmcSocket):
         """Before ``connect()``: ask for SMC's TCP option on the SYN of a socket we will hand
         off. A non-blocking one is not (it stays on TCP): ``smc-run -v`` says so, unless asyncio
         connects it (the loop hands its sockets off itself and reports them)."""
-        if not (self._upgrade and _eligible(self) and self._smc is None):
+        if not (_eligible(self) and self._smc is None):
             return
         if self.gettimeout() != 0:
             peer_option.request_option(self)
@@ -232,12 +242,7 @@ class AutoSocket(SmcSocket):
     def listen(self, *backlog: int) -> None:
         super().listen(*backlog)
         self._late_listener = False
-        if (
-            self._upgrade
-            and _eligible(self)
-            and self.gettimeout() != 0
-            and self._registration is None
-        ):
+        if _eligible(self) and self.gettimeout() != 0 and self._registration is None:
             self._register()
 
     def _register_late(self) -> None:
@@ -248,7 +253,7 @@ class AutoSocket(SmcSocket):
         (the parent that called ``listen()``) each client waited ``timeouts.clc_wait`` for a
         server half that never came, then fell back."""
         self._late_listener = False
-        if not (self._upgrade and _eligible(self) and self.gettimeout() != 0):
+        if not (_eligible(self) and self.gettimeout() != 0):
             return
         try:
             if not self.getsockopt(_socket.SOL_SOCKET, _socket.SO_ACCEPTCONN):
@@ -324,9 +329,10 @@ def _patch_ssl(ssl: Any) -> None:
     the ``SSLSocket`` it makes is another socket object for the connection (a class deriving
     from the context's ``sslsocket_class`` and :class:`SmcSocket`, unless that one derives from
     ours already, as when ``ssl`` was imported after smc-run installed itself) and OpenSSL's
-    records go through the channel. An ``SSLSocket`` is never upgraded itself (a TLS listener
-    hands nothing off; a socket wrapped before ``connect()`` stays on TCP)."""
-    from smc_handoff.tls import ChannelTls
+    records go through the channel. An ``SSLSocket`` of ours is upgraded as any socket: one
+    wrapped before ``connect()`` is handed off by its ``connect()`` (then its handshake runs over
+    the channel), a wrapped listener keeps its registration (:func:`_wrap_listener`)."""
+    from smc_handoff.tls import ChannelTls, TlsAfterConnect
 
     wrap_socket = ssl.SSLContext.wrap_socket
     wrap_fd = ssl.SSLContext._wrap_socket
@@ -351,8 +357,9 @@ def _patch_ssl(ssl: Any) -> None:
     ) -> Any:
         if isinstance(sock, SmcSocket):
             if isinstance(sock, AutoSocket) and sock._registration is not None:
-                sock._registration.close()  # a TLS listener hands nothing off
-                sock._registration = None
+                return _wrap_listener(sock, lambda: wrap_socket(
+                    self, sock, server_side, do_handshake_on_connect, suppress_ragged_eofs,
+                    server_hostname, session))  # fmt: skip
             if sock.mode != "tcp":  # (mode: a deferred handoff's answer)
                 with handing_to_tls(sock):
                     tls = over_channel(self.sslsocket_class)._create(
@@ -380,17 +387,39 @@ def _patch_ssl(ssl: Any) -> None:
         owner: Any = None,
         session: Any = None,
     ) -> Any:
-        if isinstance(sock, SmcSocket) and sock._smc is not None:  # an SSLSocket on SMC
-            incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-            obj = self._wrap_bio(incoming, outgoing, server_side, server_hostname,
-                                 owner=owner, session=session)  # fmt: skip
-            return ChannelTls(obj, incoming, outgoing, sock, SmcSocket)
-        return wrap_fd(self, sock, server_side, server_hostname, owner=owner, session=session)
+        def make() -> Any:
+            if isinstance(sock, SmcSocket) and sock.mode != "tcp":  # an SSLSocket on SMC
+                incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+                obj = self._wrap_bio(incoming, outgoing, server_side, server_hostname,
+                                     owner=owner, session=session)  # fmt: skip
+                return ChannelTls(obj, incoming, outgoing, sock, SmcSocket)
+            return wrap_fd(self, sock, server_side, server_hostname, owner=owner, session=session)
+
+        if isinstance(sock, AutoSocket) and not sock.connected_or_pending():
+            return TlsAfterConnect(make)  # SSLSocket.connect(): the handoff comes after this
+        return make()
 
     ssl.SSLContext.wrap_socket = smc_wrap_socket
     ssl.SSLContext._wrap_socket = smc_wrap_fd
-    if issubclass(ssl.SSLSocket, AutoSocket):
-        ssl.SSLSocket._upgrade = False
+
+
+def _wrap_listener(sock: AutoSocket, wrap: Callable[[], Any]) -> Any:
+    """``ssl`` wrapping a registered listener (``httpd.socket = ctx.wrap_socket(httpd.socket,
+    server_side=True)``): the ``SSLSocket`` takes the registration over, so that its
+    ``accept()`` hands connections off and wraps them, TLS over their channels."""
+    reg, sock._registration = sock._registration, None
+    try:
+        tls = wrap()
+    except BaseException:
+        if reg is not None:
+            reg.close()
+        raise
+    if isinstance(tls, AutoSocket):
+        tls._registration = reg
+        tls._late_listener = False
+    elif reg is not None:
+        reg.close()  # a class of the program's own that is not ours: it hands nothing off
+    return tls
 
 
 def _patch_asyncio(asyncio: Any) -> None:

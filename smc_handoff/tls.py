@@ -177,3 +177,27 @@ class ChannelTls:
         """Everything that is no I/O: ``getpeercert``, ``cipher``, ``version``,
         ``selected_alpn_protocol``, ``get_channel_binding``, ``session_reused``..."""
         return getattr(self._obj, name)
+
+
+class TlsAfterConnect:
+    """The ``_sslobj`` of an ``SSLSocket`` wrapped before ``connect()`` (``ssl`` makes it then):
+    whether its records go over a channel or TCP is known once the connection's handoff has
+    its answer, so the real object (:class:`ChannelTls`, or OpenSSL on the descriptor) is made
+    at its first use, the handshake."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_make", make)
+        object.__setattr__(self, "_obj", None)
+
+    def _resolve(self) -> Any:
+        obj = self._obj
+        if obj is None:
+            obj = self._make()
+            object.__setattr__(self, "_obj", obj)
+        return obj
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._resolve(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # ``context``, ``session``
+        setattr(self._resolve(), name, value)

@@ -368,3 +368,65 @@ def test_ssl_imported_before_smc_run_runs_tls_over_the_channel_too(
     ops = _ops(client.stderr)
     assert [op.split(" ", 1)[0] for op in ops] == ["connect", "ssl"] * 2, client.stderr
     assert all(": smcd conn " in op for op in ops), client.stderr
+
+
+HTTPS_SERVER = r"""
+import http.server, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+class Hello(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        body = b"hello over %s\n" % self.connection.version().encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+httpd = http.server.HTTPServer(("127.0.0.1", 0), Hello)
+httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)  # the docs' recipe
+print("PORT", httpd.server_address[1], flush=True)
+for _ in range(3):
+    httpd.handle_request()
+"""
+
+HTTPS_CLIENT = r"""
+import http.client, socket, ssl, sys, urllib.request
+port = int(sys.argv[1])
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+with urllib.request.urlopen(f"https://127.0.0.1:{port}/", context=ctx) as r:
+    print(r.status, r.read().decode().strip(), flush=True)
+conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx)
+conn.request("GET", "/")
+print(conn.getresponse().read().decode().strip(), flush=True)
+conn.close()
+early = ctx.wrap_socket(socket.socket())  # wrapped before connect(), as old code does
+early.connect(("127.0.0.1", port))
+early.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+data = b""
+while chunk := early.recv(4096):
+    data += chunk
+print(data.split(b"\r\n\r\n", 1)[1].decode().strip(), early.mode, flush=True)
+early.close()
+"""
+
+
+def test_an_https_server_of_the_docs_recipe_and_its_clients_run_tls_over_smc(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """``http.server`` with its listening socket wrapped by ``ssl`` (the documented recipe):
+    the wrapped listener stays registered, so each connection its ``accept()`` takes is handed
+    off and wrapped, TLS over its channel; ``urllib``, ``http.client`` and a socket wrapped
+    before ``connect()`` are its clients."""
+    cert, key = _test_cert(tmp_path)
+    server = _smc_run(_env(nocfg), HTTPS_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, HTTPS_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == (
+        "200 hello over TLSv1.3\nhello over TLSv1.3\nhello over TLSv1.3 smcd\n"
+    ), client.stdout
+    assert [m[:2] for m in _modes(client.stderr)] == [("connect", "smcd")] * 3, client.stderr
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 3, serr
+    assert "registered as listener" in serr, serr
