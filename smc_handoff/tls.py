@@ -22,6 +22,7 @@ then retried with the same data, as OpenSSL requires, and counts once).
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import threading
 from collections.abc import Callable
@@ -119,6 +120,10 @@ class ChannelTls:
                 self._flush()  # what it wrote first (a handshake flight) goes out before we wait
                 self._fill()
                 continue
+            except ssl.SSLError:
+                with contextlib.suppress(OSError):
+                    self._flush()  # the alert it wrote (a refused certificate): the peer's reason
+                raise
             self._flush()
             return result
 

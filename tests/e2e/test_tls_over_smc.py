@@ -430,3 +430,43 @@ def test_an_https_server_of_the_docs_recipe_and_its_clients_run_tls_over_smc(
     assert [m[:2] for m in _modes(client.stderr)] == [("connect", "smcd")] * 3, client.stderr
     assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 3, serr
     assert "registered as listener" in serr, serr
+
+
+REFUSING_SERVER = r"""
+import socket, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+try:
+    ctx.wrap_socket(conn, server_side=True)
+except ssl.SSLError as e:
+    print("server", type(e).__name__, e.reason, flush=True)
+"""
+
+REFUSING_CLIENT = r"""
+import socket, ssl, sys
+ctx = ssl.create_default_context()  # the system's CAs: the test certificate is not among them
+raw = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20)
+try:
+    ctx.wrap_socket(raw, server_hostname="localhost")
+except ssl.SSLError as e:
+    print("client", type(e).__name__, e.reason, flush=True)
+"""
+
+
+def test_a_refused_certificate_reaches_the_peer_as_its_alert(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """A client that refuses the server's certificate sends a TLS alert before it closes: over
+    the channel as over TCP, the server's handshake fails with that alert's reason, not with
+    an EOF."""
+    cert, key = _test_cert(tmp_path)
+    tcp_client, tcp_server = _tcp(nocfg, REFUSING_SERVER, REFUSING_CLIENT, cert, key)
+    assert "CERTIFICATE_VERIFY_FAILED" in tcp_client and "ALERT" in tcp_server, tcp_server
+    server = _smc_run(_env(nocfg), REFUSING_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, REFUSING_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert (client.stdout, sout) == (tcp_client, tcp_server), (client.stdout, sout)
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")], serr
