@@ -200,6 +200,8 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             label = f"  bound: Python shared-memory echo, {placement}, p50"
             out.append(URow(label, f"{p50}_{suffix}", "us", bound=True))
         out.append(URow(f"round trip {name}, p99", f"rr_{key}_p99", "us"))
+    out.append(URow("TLS round trip 1 KiB (ssl), p50", "tls_rr_1k_p50", "us"))
+    out.append(URow("TLS round trip 1 KiB (ssl), p99", "tls_rr_1k_p99", "us"))
     out += [
         URow(
             "connections/s, one at a time",

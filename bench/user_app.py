@@ -14,12 +14,15 @@ Servers:
                                    against the sender's pattern (the light per-chunk work)
   echo PROCS                       PROCS processes accept and echo each connection until EOF
                                    (runs until killed)
+  tlsecho                          echo over TLS (``ssl`` wrapping what it accepts; the
+                                   certificate and key in $USER_APP_TLS_CERT/_KEY)
   hold N                           accept N connections, print ``HELD``, keep them open, exit
                                    at their EOF
 Clients:
   send PORT WARMUP TOTAL WRITE     WRITE-byte sendall()s; bytes/s from the first timed write to
                                    the sink's ack
   rr PORT SIZE ROUNDS WARMUP       SIZE bytes out, SIZE bytes back; round-trip p50/p99 in us
+  tlsrr PORT SIZE ROUNDS WARMUP    the same over TLS (``ssl`` wrapping the connection)
   conns PORT N WARMUP PROCS        N connections (connect, 1-byte echo, close) from PROCS
                                    processes; connections/s and the setup p50 in us (connect
                                    and the first sendall())
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import sys
 import time
 
@@ -175,6 +179,31 @@ def echo(procs: int) -> None:
     _serve(lsock)
 
 
+def _tls(server: bool) -> ssl.SSLContext:
+    cert = os.environ["USER_APP_TLS_CERT"]
+    if server:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, os.environ["USER_APP_TLS_KEY"])
+        return ctx
+    ctx = ssl.create_default_context(cafile=cert)
+    ctx.check_hostname = False
+    return ctx
+
+
+def tlsecho() -> None:
+    lsock = listen()
+    ctx = _tls(server=True)
+    view = memoryview(bytearray(1 << 16))
+    while True:
+        conn, _ = lsock.accept()
+        try:
+            with ctx.wrap_socket(conn, server_side=True) as tls:
+                while n := tls.recv_into(view):
+                    tls.sendall(view[:n])
+        except OSError as e:
+            print(f"tlsecho: {e}", file=sys.stderr)
+
+
 def hold(n: int) -> None:
     lsock = listen()
     conns = [lsock.accept()[0] for _ in range(n)]
@@ -190,8 +219,14 @@ def _pct(values: list[int], p: int) -> float:
     return float(ordered[rank])
 
 
-def rr(port: int, size: int, rounds: int, warmup: int) -> None:
+def tlsrr(port: int, size: int, rounds: int, warmup: int) -> None:
+    rr(port, size, rounds, warmup, tls=True)
+
+
+def rr(port: int, size: int, rounds: int, warmup: int, tls: bool = False) -> None:
     sock = connect(port)
+    if tls:
+        sock = _tls(server=False).wrap_socket(sock)
     msg = memoryview(pattern(max(size, PERIOD))[:size])
     buf = memoryview(bytearray(size))
     clock = time.perf_counter_ns
@@ -267,8 +302,10 @@ COMMANDS = {
     "send": send,
     "bound": bound,
     "echo": echo,
+    "tlsecho": tlsecho,
     "hold": hold,
     "rr": rr,
+    "tlsrr": tlsrr,
     "conns": conns,
     "open": open_many,
 }

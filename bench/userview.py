@@ -19,11 +19,13 @@ connections.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -249,6 +251,18 @@ def memory_of(pid: int) -> tuple[int, int]:
     return pss, rss
 
 
+def _tls_files() -> tuple[str, str]:
+    """A self-signed certificate for the TLS rows and its key, in a directory that lives as
+    long as the process (openssl, as the tests make theirs)."""
+    where = tempfile.mkdtemp(prefix="smcd-bench-tls-")
+    atexit.register(shutil.rmtree, where, True)
+    cert, key = os.path.join(where, "cert.pem"), os.path.join(where, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    return cert, key
+
+
 @dataclass
 class UserView:
     plan: UserPlan
@@ -263,8 +277,14 @@ class UserView:
     smcd_cpu: list[float] = field(default_factory=list)
     """smcd's CPU time per connection (µs) of each one-at-a-time connections run."""
 
+    tls_files: tuple[str, str] | None = None
+    """The TLS rows' certificate and key (made by openssl for the run)."""
+
     def env(self, kind: str) -> dict[str, str]:
-        return user_env(self.smc_env if kind == "smc" else None)
+        env = user_env(self.smc_env if kind == "smc" else None)
+        if self.tls_files is not None:
+            env["USER_APP_TLS_CERT"], env["USER_APP_TLS_KEY"] = self.tls_files
+        return env
 
     def measure(self, keys: tuple[str, ...], once: Callable[[str], tuple[float, ...]]) -> None:
         """``once(kind)`` ``repeats`` times per kind, tcp then smc; the median of each figure."""
@@ -327,6 +347,16 @@ class UserView:
         def once(kind: str) -> tuple[float, float]:
             port = self.app(kind, "echo", 1).port()
             r = self.app(kind, "rr", port, size, p.rr_rounds, p.rr_warmup).result()
+            return r["p50_us"], r["p99_us"]
+
+        return once
+
+    def tls_rr(self, size: int) -> Callable[[str], tuple[float, float]]:
+        p = self.plan
+
+        def once(kind: str) -> tuple[float, float]:
+            port = self.app(kind, "tlsecho").port()
+            r = self.app(kind, "tlsrr", port, size, p.rr_rounds, p.rr_warmup).result()
             return r["p50_us"], r["p99_us"]
 
         return once
@@ -408,6 +438,12 @@ class UserView:
         for size, name, key, _ in RR_SIZES:
             progress(f"user view: round trips, {name}")
             self.measure((f"rr_{key}_p50", f"rr_{key}_p99"), self.rr(size))
+        progress("user view: round trips over TLS, 1 KiB")
+        try:
+            self.tls_files = _tls_files()
+            self.measure(("tls_rr_1k_p50", "tls_rr_1k_p99"), self.tls_rr(1024))
+        except (OSError, subprocess.SubprocessError) as e:
+            self.notes.append(f"user view TLS round trips: {e}")
         progress("user view: round-trip bound (C, shared memory)")
         try:
             bounds = _rtt_ceiling.measure([s for s, *_ in RR_SIZES], p.rr_rounds, p.rr_warmup)

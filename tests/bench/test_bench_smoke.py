@@ -155,6 +155,8 @@ USER_ROWS = [
     ("bound: Python shared-memory echo, two CPUs, p50", "us", None, "bound"),
     ("bound: Python shared-memory echo, one CPU, p50", "us", None, "bound"),
     ("round trip 64 KiB, p99", "us", None, "cmp"),
+    ("TLS round trip 1 KiB (ssl), p50", "us", None, "cmp"),
+    ("TLS round trip 1 KiB (ssl), p99", "us", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("setup p50 (connect + first send), one at a time", "us", "<= 500 us", "cmp"),
     ("bound: smcd CPU per connection", "us", None, "bound"),
