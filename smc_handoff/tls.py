@@ -36,6 +36,8 @@ __all__ = ["ChannelTls"]
 _T = TypeVar("_T")
 _HEADER = 5
 """A TLS record's header: type, version, length (big-endian, 16 bits)."""
+_SLICE = 256 << 10
+"""Plaintext bytes encrypted at once by :meth:`ChannelTls.write` (16 records)."""
 _MAX_RECORD = 0xFFFF
 """The most a record's length field can say (real records stay under 16.5 KiB)."""
 
@@ -140,19 +142,30 @@ class ChannelTls:
         return self._run(self._obj.read, len, buffer)
 
     def write(self, data: Any) -> int:
+        """Encrypt and send ``data``, :data:`_SLICE` bytes at a time (OpenSSL writing into a
+        memory buffer would take all of a 1 GB ``sendall`` before a byte went out); a
+        non-blocking socket does one slice per call and says how much it took."""
         if self._written:  # the retry of a write whose records did not all go out
             self._flush()
             done, self._written = self._written, 0
             return done
         if self._unsent:
             self._flush()
-        n: int = self._obj.write(data)
-        try:
-            self._flush()
-        except ssl.SSLWantWriteError:
-            self._written = n
-            raise
-        return n
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        total, size = 0, len(view)
+        blocking = self._owner.gettimeout() != 0
+        while True:
+            n: int = self._obj.write(view[total : total + _SLICE])
+            total += n
+            try:
+                self._flush()
+            except ssl.SSLWantWriteError:
+                self._written = total
+                raise
+            if total >= size or not blocking:
+                return total
 
     def pending(self) -> int:
         return int(self._obj.pending())

@@ -470,3 +470,48 @@ def test_a_refused_certificate_reaches_the_peer_as_its_alert(
     assert client.returncode == 0, client.stderr[-3000:]
     assert (client.stdout, sout) == (tcp_client, tcp_server), (client.stdout, sout)
     assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")], serr
+
+
+BULK_SERVER = r"""
+import socket, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+with ctx.wrap_socket(conn, server_side=True) as tls:
+    buf = memoryview(bytearray(1 << 20))
+    total = check = 0
+    while total < 64 << 20 and (n := tls.recv_into(buf)):
+        total += n
+        check = (check + sum(buf[:n:4096])) % 65521
+    tls.sendall(b"ok")
+    print(total, check, flush=True)
+"""
+
+BULK_CLIENT = r"""
+import resource, socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+data = bytes(range(256)) * (64 << 12)  # 64 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with ctx.wrap_socket(socket.create_connection(("127.0.0.1", int(sys.argv[1])))) as tls:
+    tls.sendall(data)
+    assert tls.recv(2) == b"ok"
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print("grew under 32 MiB:", grew < 32 << 10, flush=True)
+"""
+
+
+def test_a_large_sendall_streams_instead_of_buffering(nocfg: PrivateSmcd, tmp_path: Path) -> None:
+    """One ``sendall`` of 64 MiB: encrypted and sent a slice at a time as over TCP, not all
+    encrypted into memory first (the process grows by less than half the payload), and every
+    byte arrives."""
+    cert, key = _test_cert(tmp_path)
+    tcp_client, tcp_server = _tcp(nocfg, BULK_SERVER, BULK_CLIENT, cert, key)
+    server = _smc_run(_env(nocfg), BULK_SERVER, cert, key)
+    client, _, sout, serr = _serve_then_run(nocfg, server, BULK_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == tcp_client == "grew under 32 MiB: True\n", (client.stdout, tcp_client)
+    assert sout == tcp_server and sout.split()[0] == str(64 << 20), (sout, tcp_server)
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")], serr
