@@ -63,45 +63,29 @@ async def _smc_transport(
     protocol_factory: Any,
     extra: dict[str, Any] | None = None,
     server: Any = None,
-) -> tuple[SmcTransport, asyncio.BaseProtocol]:
-    try:
-        protocol = protocol_factory()
-        waiter = loop.create_future()
-        transport = SmcTransport(loop, sock, protocol, waiter, extra, server)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        await waiter
-    except BaseException:
-        transport.close()
-        raise
-    return transport, protocol
-
-
-async def _smc_tls_transport(
-    loop: asyncio.AbstractEventLoop,
-    sock: SmcSocket,
-    protocol_factory: Any,
-    ssl: Any,
-    server_side: bool,
+    *,
+    ssl: Any = None,
+    server_side: bool = False,
     server_hostname: Any = None,
-    extra: dict[str, Any] | None = None,
-    server: Any = None,
     timeouts: dict[str, Any] | None = None,
 ) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:
-    """What ``_make_ssl_transport`` does over a socket transport, over the channel instead:
-    asyncio's TLS protocol (as ``start_tls`` layers it) above an :class:`SmcTransport`, which
-    moves its records; the caller gets the TLS transport once the handshake is done.
-    ``timeouts``: ``ssl_handshake_timeout``/``ssl_shutdown_timeout`` as asyncio got them."""
-    context: Any = None if isinstance(ssl, bool) else ssl
+    """An :class:`SmcTransport` for ``sock`` and the protocol, once connected. With ``ssl``,
+    what ``_make_ssl_transport`` does over a socket transport, over the channel instead:
+    asyncio's TLS protocol (as ``start_tls`` layers it) above the SMC transport, which moves
+    its records; the caller gets the TLS transport once the handshake is done. ``timeouts``:
+    ``ssl_handshake_timeout``/``ssl_shutdown_timeout`` as asyncio got them."""
+    tls: sslproto.SSLProtocol | None = None
     try:
         protocol = protocol_factory()
         waiter = loop.create_future()
-        tls = sslproto.SSLProtocol(
-            loop, protocol, context, waiter, server_side, server_hostname, **(timeouts or {})
-        )
-        transport = SmcTransport(loop, sock, tls, None, extra, server)
+        if ssl:
+            context: Any = None if isinstance(ssl, bool) else ssl
+            tls = sslproto.SSLProtocol(
+                loop, protocol, context, waiter, server_side, server_hostname, **(timeouts or {})
+            )
+            transport = SmcTransport(loop, sock, tls, None, extra, server)
+        else:
+            transport = SmcTransport(loop, sock, protocol, waiter, extra, server)
     except BaseException:
         sock.close()
         raise
@@ -110,7 +94,7 @@ async def _smc_tls_transport(
     except BaseException:
         transport.close()
         raise
-    return tls._app_transport, protocol
+    return (tls._app_transport if tls is not None else transport), protocol
 
 
 def _ssl_timeouts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -155,21 +139,12 @@ def install() -> None:
                 except BaseException:
                     sock.close()
                     raise
-            if sock.mode != "tcp" and ssl:
-                timeouts = _ssl_timeouts(args, kwargs)
-                return await _smc_tls_transport(
-                    self,
-                    sock,
-                    protocol_factory,
-                    ssl,
-                    server_side,
-                    server_hostname,
-                    None,
-                    None,
-                    timeouts,
-                )
             if sock.mode != "tcp":
-                return await _smc_transport(self, sock, protocol_factory)
+                timeouts = _ssl_timeouts(args, kwargs)
+                return await _smc_transport(self, sock, protocol_factory, ssl=ssl,
+                                            server_side=server_side,
+                                            server_hostname=server_hostname,
+                                            timeouts=timeouts)  # fmt: skip
         return await create_transport(
             self, sock, protocol_factory, ssl, server_hostname, server_side, *args, **kwargs
         )
@@ -225,21 +200,10 @@ def install() -> None:
             run.report("accept", conn, peer)
             if conn.mode != "tcp":
                 try:
-                    if sslcontext is not None:
-                        timeouts = _ssl_timeouts(args, kwargs)
-                        await _smc_tls_transport(
-                            self,
-                            conn,
-                            protocol_factory,
-                            sslcontext,
-                            True,
-                            None,
-                            extra,
-                            server,
-                            timeouts,
-                        )
-                    else:
-                        await _smc_transport(self, conn, protocol_factory, extra, server)
+                    timeouts = _ssl_timeouts(args, kwargs)
+                    await _smc_transport(self, conn, protocol_factory, extra, server,
+                                         ssl=sslcontext, server_side=True,
+                                         timeouts=timeouts)  # fmt: skip
                 except (SystemExit, KeyboardInterrupt):
                     raise
                 except BaseException as exc:

@@ -23,6 +23,7 @@ then retried with the same data, as OpenSSL requires, and counts once).
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -36,6 +37,7 @@ __all__ = ["ChannelTls"]
 _T = TypeVar("_T")
 _HEADER = 5
 """A TLS record's header: type, version, length (big-endian, 16 bits)."""
+_DONTWAIT = socket.MSG_DONTWAIT
 _SLICE = 256 << 10
 """Plaintext bytes encrypted at once by :meth:`ChannelTls.write` (16 records)."""
 _MAX_RECORD = 0xFFFF
@@ -51,7 +53,7 @@ class ChannelTls:
         self._in = incoming
         self._out = outgoing
         self._owner = owner
-        self._recv_into: Callable[[Any, Any], int] = io.recv_into  # the channel's, not SSL's
+        self._recv_into: Callable[..., int] = io.recv_into  # the channel's, not SSL's
         self._send: Callable[[Any, Any], int] = io.send
         self._unsent = b""  # records a non-blocking send left behind
         self._tx_lock = threading.Lock()
@@ -125,9 +127,18 @@ class ChannelTls:
             except ssl.SSLError:
                 with contextlib.suppress(OSError):
                     self._flush()  # the alert it wrote (a refused certificate): the peer's reason
+                    self._discard_unread()
                 raise
             self._flush()
             return result
+
+    def _discard_unread(self) -> None:
+        """After a fatal error: drop the peer's records that arrived (the rest of its
+        handshake flight), so that the close which follows is a close, not an abort that
+        would discard the alert just sent before the peer reads it (TCP delivers it first)."""
+        buf = self._view
+        while self._recv_into(self._owner, buf, 0, _DONTWAIT):
+            pass
 
     # -- what SSLSocket calls ------------------------------------------------------------------
 
