@@ -784,6 +784,11 @@ class Registration:
         ctl.close()
         self.fallback = reply if isinstance(reply, Fallback) else unexpected(reply, "LISTEN")
 
+    def rebind(self, listener: _socket.socket) -> None:
+        """Another socket object has the listening descriptor now (``ssl`` wrapped it): the
+        renewals after a daemon restart pass that one's."""
+        self._listener = listener
+
     @property
     def active(self) -> bool:
         """True while the daemon holds the registration; one poll(0) per call, and a retry at

@@ -417,6 +417,8 @@ def _wrap_listener(sock: AutoSocket, wrap: Callable[[], Any]) -> Any:
     if isinstance(tls, AutoSocket):
         tls._registration = reg
         tls._late_listener = False
+        if reg is not None:
+            reg.rebind(tls)
     elif reg is not None:
         reg.close()  # a class of the program's own that is not ours: it hands nothing off
     return tls

@@ -36,6 +36,7 @@ from smc_handoff import channel_base
 from smc_handoff import messages as m
 from smc_handoff import socket as smc_socket
 from smc_handoff.channel import make_pair
+from smc_handoff.handoff import Registration
 from smc_handoff.socket import SmcSocket
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1668,3 +1669,34 @@ def test_a_call_tcp_refuses_is_refused_the_same_way(pair: tuple[Any, Any], call:
     a.sendall(b"!")
     assert recv_exactly(b, 5) == b"wait!"
     assert recv_exactly(a, 4) == b"back"
+
+
+def test_a_rebound_registration_renews_with_the_new_socket_object(daemon: MiniDaemon) -> None:
+    """``ssl`` wrapping a registered listener moves the descriptor to another socket object
+    (the original is detached): the registration is rebound to it, and its renewal after the
+    daemon came back passes that object's descriptor, not the detached one's (-1)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    reg = Registration(listener)
+    try:
+        assert reg.active
+        wrapped = socket.socket(fileno=listener.detach())  # what SSLSocket._create does
+        reg.rebind(wrapped)
+        daemon.stop()
+        deadline = time.monotonic() + 2
+        while reg.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not reg.active
+        again = MiniDaemon(daemon.path)
+        try:
+            deadline = time.monotonic() + 3
+            while not reg.active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert reg.active and isinstance(again.requests[0], m.Listen)
+        finally:
+            again.stop()
+    finally:
+        reg.close()
+        listener.close()
+        wrapped.close()
