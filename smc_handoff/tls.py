@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from smc_handoff.socket import SmcSocket
 
-__all__ = ["ChannelTls"]
+__all__ = ["ChannelTls", "TlsAfterConnect"]
 
 _T = TypeVar("_T")
 _HEADER = 5
