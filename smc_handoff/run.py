@@ -67,6 +67,7 @@ __all__ = [
     "AutoSocket",
     "install",
     "install_from_env",
+    "install_tls",
     "main",
     "report",
     "report_tcp",
@@ -334,6 +335,9 @@ def _patch_ssl(ssl: Any) -> None:
     the channel), a wrapped listener keeps its registration (:func:`_wrap_listener`)."""
     from smc_handoff.tls import ChannelTls, TlsAfterConnect
 
+    if getattr(ssl.SSLContext, "_smc_tls", False):
+        return  # (smc-run's install and a library's first SMC connection both ask)
+    ssl.SSLContext._smc_tls = True
     wrap_socket = ssl.SSLContext.wrap_socket
     wrap_fd = ssl.SSLContext._wrap_socket
     combined: dict[type, type] = {}
@@ -401,6 +405,13 @@ def _patch_ssl(ssl: Any) -> None:
 
     ssl.SSLContext.wrap_socket = smc_wrap_socket
     ssl.SSLContext._wrap_socket = smc_wrap_fd
+
+
+def install_tls() -> None:
+    """TLS over the channel for ``ssl`` (now, or when the program imports it): what smc-run
+    installs, and what a program that uses :mod:`smc_handoff` itself gets with its first SMC
+    connection, so that either end of a TLS connection may be either kind."""
+    _patch_on_import("ssl", _patch_ssl)
 
 
 def _wrap_listener(sock: AutoSocket, wrap: Callable[[], Any]) -> Any:

@@ -160,6 +160,19 @@ LEAVE_WAIT_S = 2.0
 :meth:`SmcSocket.leave_channel`): in STARTTLS the second end comes within a round trip."""
 
 
+_tls_installed = False
+
+
+def _install_tls() -> None:
+    """The first connection on SMC (smc-run or not): ``ssl`` wrapping one keeps its TLS on the
+    channel from now on (:mod:`smc_handoff.tls`), as smc-run's peers do."""
+    global _tls_installed
+    _tls_installed = True
+    from smc_handoff import run  # (imports this module)
+
+    run.install_tls()
+
+
 _tls_takeover: contextvars.ContextVar[SmcSocket | None] = contextvars.ContextVar(
     "smc_tls_takeover", default=None
 )
@@ -729,6 +742,8 @@ class SmcSocket(_BaseSocket):
         )
         self._fallback = None
         _index(self, smc)
+        if not _tls_installed:
+            _install_tls()
         if log.isEnabledFor(logging.DEBUG):
             what = "ACCEPT" if server_side else "CONNECT"  # (not self.mode: a settle holds
             mode = _MODE_NAMES[reply.mode]  # the lock that reading .mode would take again)

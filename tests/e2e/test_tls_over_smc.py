@@ -515,3 +515,46 @@ def test_a_large_sendall_streams_instead_of_buffering(nocfg: PrivateSmcd, tmp_pa
     assert client.stdout == tcp_client == "grew under 32 MiB: True\n", (client.stdout, tcp_client)
     assert sout == tcp_server and sout.split()[0] == str(64 << 20), (sout, tcp_server)
     assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")], serr
+
+
+LIBRARY_TLS_CLIENT = r"""
+import socket, ssl, sys
+import smc_handoff
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.check_hostname = False
+for i in range(2):
+    raw = smc_handoff.connect(("127.0.0.1", int(sys.argv[1])))  # the library, no smc-run
+    with ctx.wrap_socket(raw) as tls:
+        tls.sendall(b"hello %d\n" % i)
+        f = tls.makefile("rb")
+        first, rest = f.readline(), f.readline()
+        f.close()
+        tls.sendall(b"BYE\n")
+        print(first.decode().strip(), len(rest), tls.version(), tls.mode, flush=True)
+"""
+
+
+def test_a_program_using_the_library_runs_tls_over_the_channel_too(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """A program that hands its connection over with ``smc_handoff.connect`` (no smc-run) and
+    wraps it with ``ssl``: its first SMC connection installs the same TLS-over-the-channel, so
+    it meets an smc-run TLS server there (an end that left the channel for TCP while its peer
+    stayed would break the connection)."""
+    cert, key = _test_cert(tmp_path)
+    server = _smc_run(_env(nocfg), TLS_SERVER, cert, key)
+    env = _env(nocfg)
+    proc = subprocess.Popen(server, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = proc.stdout.readline().split()[1]
+        client = subprocess.run([os.fspath(PYTHON), "-c", LIBRARY_TLS_CLIENT, port, cert],
+                                env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        sout, serr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == "HELLO 0 200001 TLSv1.3 smcd\nHELLO 1 200001 TLSv1.3 smcd\n"
+    assert all(int(line.split()[2]) < 500 for line in sout.splitlines()), sout
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 2, serr
