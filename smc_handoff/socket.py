@@ -20,8 +20,9 @@ is nothing to do, :class:`BrokenPipeError` when writing after our own ``shutdown
   eventfd): a non-blocking ``send`` may still raise :class:`BlockingIOError` when the peer's
   ring is full;
 - ``dup`` gives another socket object for the connection, which ends with the last close;
-  ``detach`` (what ``ssl`` does) first leaves the channel, while no ``dup`` holds it: before
-  any byte moved at once, after data (STARTTLS) only together with the peer
+  ``ssl``'s ``wrap_socket`` keeps the connection on its channel, TLS over it
+  (:mod:`smc_handoff.tls`), while ``detach`` by anyone else first leaves the channel, while no
+  ``dup`` holds it: before any byte moved at once, after data only together with the peer
   (:meth:`SmcSocket.leave_channel`: the connection then goes on over TCP);
 - ``MSG_PEEK`` and ``MSG_WAITALL`` work as on the kernel's AF_SMC; ``sendmsg``/``recvmsg``
   carry data but no ancillary data, and ``MSG_OOB`` is not available (``EOPNOTSUPP``);
