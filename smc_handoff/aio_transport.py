@@ -220,6 +220,7 @@ class SmcTransport(transports._FlowControlMixin):
         self._closing = False
         self._lost = False  # connection_lost is scheduled: later writes are dropped
         self._finished = False  # connection_lost was called
+        self._write_refused = False  # a write after the peer's close was dropped
         self._eof_pending = False
         self._eof_written = False
         self._paused = False  # reading, by pause_reading()
@@ -501,7 +502,8 @@ class SmcTransport(transports._FlowControlMixin):
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as e:
-                self._fatal_error(e, "Fatal write error on SMC transport")
+                if not self._drop_after_peer_close(e):
+                    self._fatal_error(e, "Fatal write error on SMC transport")
                 return
             if n == len(data):
                 return
@@ -514,6 +516,22 @@ class SmcTransport(transports._FlowControlMixin):
             self._buffer.append(memoryview(data if isinstance(data, bytes) else bytes(data)))
             self._buffer_size += len(data)
         self._maybe_pause_protocol()
+
+    def _drop_after_peer_close(self, error: BaseException) -> bool:
+        """TCP takes one more write after the peer's orderly close (the peer's RST answers
+        it, and only a later write fails); the channel knows at once and raises
+        ``ECONNRESET``, as the kernel's AF_SMC does for a socket. For a transport that
+        difference surfaced as ``connection_lost(ConnectionResetError)`` where TCP's closes
+        cleanly: a TLS close_notify written after the server closed made a client's
+        ``wait_closed()`` raise. So the first write the peer's close refuses is dropped, as
+        TCP's is, and the connection ends by the peer's EOF; a later one fails."""
+        if self._write_refused or not isinstance(error, ConnectionResetError):
+            return False
+        ch = self._channel
+        if not ch.peer_closed or ch.aborted:
+            return False
+        self._write_refused = True
+        return True
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))

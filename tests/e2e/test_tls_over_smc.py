@@ -558,3 +558,58 @@ def test_a_program_using_the_library_runs_tls_over_the_channel_too(
     assert client.stdout == "HELLO 0 200001 TLSv1.3 smcd\nHELLO 1 200001 TLSv1.3 smcd\n"
     assert all(int(line.split()[2]) < 500 for line in sout.splitlines()), sout
     assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 2, serr
+
+
+CLOSING_SERVER = r"""
+import socket, ssl, sys
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    conn, _ = lsock.accept()
+    with ctx.wrap_socket(conn, server_side=True) as tls:
+        f = tls.makefile("rb")
+        tls.sendall(f.readline().upper())
+        assert f.readline() == b"BYE\n"
+        f.close()  # and closes at once, as the client closes
+"""
+
+LATE_CLOSING_CLIENT = r"""
+import asyncio, ssl, sys, time
+async def main():
+    ctx = ssl.create_default_context(cafile=sys.argv[2])
+    ctx.check_hostname = False
+    for _ in range(2):
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(sys.argv[1]), ssl=ctx)
+        writer.write(b"hello\n")
+        print((await reader.readline()).decode().strip(), flush=True)
+        writer.write(b"BYE\n")
+        await writer.drain()
+        time.sleep(0.2)  # the server closes meanwhile (the loop has not seen it: blocked)
+        writer.close()  # asyncio's TLS writes its close_notify
+        try:
+            await writer.wait_closed()
+            print("closed cleanly", flush=True)
+        except OSError as e:
+            print("closed with", type(e).__name__, flush=True)
+asyncio.run(main())
+"""
+
+
+def test_an_asyncio_tls_client_closing_after_its_server_closes_cleanly(
+    nocfg: PrivateSmcd, tmp_path: Path
+) -> None:
+    """asyncio's TLS writes a close_notify when the client closes; when the server closed
+    first, TCP takes that write (the server's RST answers it) and ``wait_closed()`` returns;
+    the channel refused it at once (``ECONNRESET``, as AF_SMC) and ``wait_closed()`` raised.
+    The SMC transport now drops the first write the peer's close refuses, as TCP does."""
+    cert, key = _test_cert(tmp_path)
+    tcp_client, _ = _tcp(nocfg, CLOSING_SERVER, LATE_CLOSING_CLIENT, cert, key)
+    assert tcp_client == "HELLO\nclosed cleanly\n" * 2, tcp_client
+    server = _smc_run(_env(nocfg), CLOSING_SERVER, cert, key)
+    client, _, _, serr = _serve_then_run(nocfg, server, LATE_CLOSING_CLIENT, cert)
+    assert client.returncode == 0, client.stderr[-3000:]
+    assert client.stdout == tcp_client, client.stdout
+    assert [m[:2] for m in _modes(client.stderr)] == [("connect", "smcd")] * 2, client.stderr
+    assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 2, serr
