@@ -1578,6 +1578,9 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
 def _wrap(sock: _socket.socket, server_side: bool, dmb_size: int, *, fail: bool) -> SmcSocket:
     if isinstance(sock, SmcSocket) and sock._settle() is not None:  # on a channel already
         return sock
+    if not server_side:  # the handoff mark, as early as can be (see smc_handoff.wrap)
+        with contextlib.suppress(OSError, TypeError):
+            _BaseSocket.setsockopt(sock, *peer_option.HANDOFF_MARK, 1)
     family, kind = _family_of(sock), _type_of(sock)
     if family not in _STREAM_FAMILIES or kind != _SOCK_STREAM:
         raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")

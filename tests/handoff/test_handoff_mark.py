@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -132,3 +135,33 @@ def test_encode_asks_for_one_socket_by_its_four_tuple() -> None:
     assert v6[16] == socket.AF_INET6 and v6[28:44] == socket.inet_pton(
         socket.AF_INET6, "2001:db8::1"
     )
+
+
+FIRST_WRAP = r"""
+import importlib.abc, socket, sys
+import smc_handoff
+lsock = socket.create_server(("127.0.0.1", 0))
+sock = socket.create_connection(lsock.getsockname())
+seen = []
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "smc_handoff.socket":
+            seen.append(sock.getsockopt(socket.IPPROTO_IP, 24))
+        return None
+sys.meta_path.insert(0, Spy())
+assert "smc_handoff.socket" not in sys.modules
+smc = smc_handoff.wrap(sock)  # no daemon: TCP, with its reason
+print(seen, smc.mode, flush=True)
+"""
+
+
+def test_the_first_wrap_marks_the_socket_before_the_library_loads() -> None:
+    """A program's first ``smc_handoff.wrap`` loads the library (~15 ms): the socket carries
+    the handoff mark before that, or a same-host server half that came first would find it
+    unmarked after its 20 ms grace and take a client of ours for a plain one (the classic
+    bench's ``wrap`` fell back so under CI load)."""
+    env = {**os.environ, "SMCD_HANDOFF_SOCKET": "/nonexistent/handoff.sock"}
+    done = subprocess.run([sys.executable, "-c", FIRST_WRAP], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[1] tcp\n", done.stdout
