@@ -34,8 +34,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import os
 import socket as _socket
@@ -48,6 +46,7 @@ from typing import Any
 from smc_handoff import peer_option, readiness
 from smc_handoff import socket as _smc_socket
 from smc_handoff.handoff import Registration
+from smc_handoff.import_hook import patch_on_import as _patch_on_import
 from smc_handoff.launch import (  # main: `python -m smc_handoff.run` is smc-run too
     ENV_ACTIVE,
     ENV_DEBUG,
@@ -67,8 +66,8 @@ __all__ = [
     "AutoSocket",
     "install",
     "install_from_env",
-    "install_tls",
     "main",
+    "patch_ssl",
     "report",
     "report_tcp",
     "take_deferred",
@@ -325,7 +324,7 @@ def _carries_eventfd(item: Any) -> bool:
     return any(is_eventfd(fd) for fd in raw[:whole].cast("i"))
 
 
-def _patch_ssl(ssl: Any) -> None:
+def patch_ssl(ssl: Any) -> None:
     """Make ``ssl`` run TLS over the channel of a connection on SMC (:mod:`smc_handoff.tls`):
     the ``SSLSocket`` it makes is another socket object for the connection (a class deriving
     from the context's ``sslsocket_class`` and :class:`SmcSocket`, unless that one derives from
@@ -396,7 +395,7 @@ def _patch_ssl(ssl: Any) -> None:
                 incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
                 obj = self._wrap_bio(incoming, outgoing, server_side, server_hostname,
                                      owner=owner, session=session)  # fmt: skip
-                return ChannelTls(obj, incoming, outgoing, sock, SmcSocket)
+                return ChannelTls(obj, incoming, outgoing, sock)
             return wrap_fd(self, sock, server_side, server_hostname, owner=owner, session=session)
 
         if isinstance(sock, AutoSocket) and not sock.connected_or_pending():
@@ -405,13 +404,6 @@ def _patch_ssl(ssl: Any) -> None:
 
     ssl.SSLContext.wrap_socket = smc_wrap_socket
     ssl.SSLContext._wrap_socket = smc_wrap_fd
-
-
-def install_tls() -> None:
-    """TLS over the channel for ``ssl`` (now, or when the program imports it): what smc-run
-    installs, and what a program that uses :mod:`smc_handoff` itself gets with its first SMC
-    connection, so that either end of a TLS connection may be either kind."""
-    _patch_on_import("ssl", _patch_ssl)
 
 
 def _wrap_listener(sock: AutoSocket, wrap: Callable[[], Any]) -> Any:
@@ -599,47 +591,6 @@ def _patch_uvloop(uvloop: Any) -> None:
     aio_loop.install_uvloop_report(uvloop)
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patch a module when the program imports it (importing ``ssl`` or ``asyncio`` up front
-    would cost every smc-run process milliseconds)."""
-
-    def __init__(self, name: str, patch: Any) -> None:
-        self.name = name
-        self.patch = patch
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-        patch = self.patch
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                exec_module(module)
-                try:
-                    patch(module)
-                except Exception as e:  # never break the program: it runs on TCP
-                    print(f"smc-run: not upgrading {name}: {e!r}", file=sys.stderr)
-
-        spec.loader = Loader()
-        return spec
-
-
-def _patch_on_import(name: str, patch: Any) -> None:
-    if name in sys.modules:
-        patch(sys.modules[name])
-    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(name, patch))
-
-
 def install(*, verbose: bool = False, debug: bool = False) -> None:
     """Upgrade this interpreter: ``socket.socket`` becomes :class:`AutoSocket` (idempotent)."""
     global _verbose
@@ -650,7 +601,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
         root = logging.getLogger("smc_handoff")
         root.addHandler(handler)
         root.setLevel(logging.DEBUG)
-    _patch_on_import("ssl", _patch_ssl)
+    _patch_on_import("ssl", patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
     _patch_on_import("subprocess", _patch_subprocess)
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)

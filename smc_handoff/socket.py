@@ -169,9 +169,17 @@ def _install_tls() -> None:
     channel from now on (:mod:`smc_handoff.tls`), as smc-run's peers do."""
     global _tls_installed
     _tls_installed = True
+    from smc_handoff.import_hook import patch_on_import
+
+    patch_on_import("ssl", _patch_ssl)
+
+
+def _patch_ssl(ssl: Any) -> None:
+    """What :func:`_install_tls` asks for once ``ssl`` is there: smc-run's patch (loaded only
+    then, ~11 ms that a program without ``ssl`` never pays on its first connection)."""
     from smc_handoff import run  # (imports this module)
 
-    run.install_tls()
+    run.patch_ssl(ssl)
 
 
 _tls_takeover: contextvars.ContextVar[SmcSocket | None] = contextvars.ContextVar(
@@ -1578,9 +1586,6 @@ def wrap(sock: _socket.socket, server_side: bool = False, *, dmb_size: int = 0) 
 def _wrap(sock: _socket.socket, server_side: bool, dmb_size: int, *, fail: bool) -> SmcSocket:
     if isinstance(sock, SmcSocket) and sock._settle() is not None:  # on a channel already
         return sock
-    if not server_side:  # the handoff mark, as early as can be (see smc_handoff.wrap)
-        with contextlib.suppress(OSError, TypeError):
-            _BaseSocket.setsockopt(sock, *peer_option.HANDOFF_MARK, 1)
     family, kind = _family_of(sock), _type_of(sock)
     if family not in _STREAM_FAMILIES or kind != _SOCK_STREAM:
         raise ValueError("only connected AF_INET/AF_INET6 stream sockets can use SMC")

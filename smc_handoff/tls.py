@@ -27,10 +27,9 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from smc_handoff.socket import SmcSocket
+from smc_handoff.socket import SmcSocket
 
 __all__ = ["ChannelTls", "TlsAfterConnect"]
 
@@ -47,14 +46,15 @@ _MAX_RECORD = 0xFFFF
 class ChannelTls:
     """The ``_sslobj`` of an ``SSLSocket`` whose connection runs over an SMC channel."""
 
-    def __init__(self, sslobj: Any, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
-                 owner: SmcSocket, io: type[SmcSocket]) -> None:  # fmt: skip
+    def __init__(
+        self, sslobj: Any, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO, owner: SmcSocket
+    ) -> None:
         self._obj = sslobj  # ``_ssl._SSLSocket`` made by ``SSLContext._wrap_bio``
         self._in = incoming
         self._out = outgoing
         self._owner = owner
-        self._recv_into: Callable[..., int] = io.recv_into  # the channel's, not SSL's
-        self._send: Callable[[Any, Any], int] = io.send
+        self._recv_into: Callable[..., int] = SmcSocket.recv_into  # the channel's, not SSL's
+        self._send: Callable[[Any, Any], int] = SmcSocket.send
         self._unsent = b""  # records a non-blocking send left behind
         self._tx_lock = threading.Lock()
         self._written = 0  # a non-blocking write() that OpenSSL took but could not flush

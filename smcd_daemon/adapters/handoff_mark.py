@@ -31,7 +31,6 @@ __all__ = ["HandoffMarks", "decode_mark", "encode_request"]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
-NLMSG_ERROR = 2
 NLM_F_REQUEST = 1
 INET_DIAG_SOCKOPT = 22
 """``struct inet_diag_sockopt``: two bytes of bit fields; ``bind_address_no_port`` is the first
