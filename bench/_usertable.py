@@ -202,6 +202,7 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
         out.append(URow(f"round trip {name}, p99", f"rr_{key}_p99", "us"))
     out.append(URow("TLS round trip 1 KiB (ssl), p50", "tls_rr_1k_p50", "us"))
     out.append(URow("TLS round trip 1 KiB (ssl), p99", "tls_rr_1k_p99", "us"))
+    out.append(URow("TLS bulk, 64 KiB sendall (ssl)", "tls_bulk", "GB/s", GB))
     out += [
         URow(
             "connections/s, one at a time",

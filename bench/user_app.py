@@ -16,6 +16,7 @@ Servers:
                                    (runs until killed)
   tlsecho                          echo over TLS (``ssl`` wrapping what it accepts; the
                                    certificate and key in $USER_APP_TLS_CERT/_KEY)
+  tlssink WARMUP TOTAL RECV        sink over TLS (no check)
   hold N                           accept N connections, print ``HELD``, keep them open, exit
                                    at their EOF
 Clients:
@@ -23,6 +24,7 @@ Clients:
                                    the sink's ack
   rr PORT SIZE ROUNDS WARMUP       SIZE bytes out, SIZE bytes back; round-trip p50/p99 in us
   tlsrr PORT SIZE ROUNDS WARMUP    the same over TLS (``ssl`` wrapping the connection)
+  tlssend PORT WARMUP TOTAL WRITE  send over TLS
   conns PORT N WARMUP PROCS        N connections (connect, 1-byte echo, close) from PROCS
                                    processes; connections/s and the setup p50 in us (connect
                                    and the first sendall())
@@ -112,9 +114,11 @@ class Reader:
             left -= k
 
 
-def sink(warmup: int, total: int, recv_size: int, stride: int = 0) -> None:
+def sink(warmup: int, total: int, recv_size: int, stride: int = 0, tls: bool = False) -> None:
     lsock = listen()
     conn, _ = lsock.accept()
+    if tls:
+        conn = _tls(server=True).wrap_socket(conn, server_side=True)
     reader = Reader(recv_size, stride)
     reader.take(conn.recv_into, warmup)
     conn.sendall(b"w")
@@ -124,8 +128,10 @@ def sink(warmup: int, total: int, recv_size: int, stride: int = 0) -> None:
     conn.close()
 
 
-def send(port: int, warmup: int, total: int, write: int) -> None:
+def send(port: int, warmup: int, total: int, write: int, tls: bool = False) -> None:
     sock = connect(port)
+    if tls:
+        sock = _tls(server=False).wrap_socket(sock)
     chunk = memoryview(pattern(write))
     ack = memoryview(bytearray(1))
     for _ in range(warmup // write):
@@ -223,6 +229,14 @@ def tlsrr(port: int, size: int, rounds: int, warmup: int) -> None:
     rr(port, size, rounds, warmup, tls=True)
 
 
+def tlssink(warmup: int, total: int, recv_size: int) -> None:
+    sink(warmup, total, recv_size, tls=True)
+
+
+def tlssend(port: int, warmup: int, total: int, write: int) -> None:
+    send(port, warmup, total, write, tls=True)
+
+
 def rr(port: int, size: int, rounds: int, warmup: int, tls: bool = False) -> None:
     sock = connect(port)
     if tls:
@@ -306,6 +320,8 @@ COMMANDS = {
     "hold": hold,
     "rr": rr,
     "tlsrr": tlsrr,
+    "tlssink": tlssink,
+    "tlssend": tlssend,
     "conns": conns,
     "open": open_many,
 }

@@ -341,6 +341,19 @@ class UserView:
 
         return once
 
+    def tls_bulk(self) -> Callable[[str], tuple[float]]:
+        p = self.plan
+
+        def once(kind: str) -> tuple[float]:
+            sink = self.app(kind, "tlssink", p.bulk_warmup, p.bulk_bytes, p.recv)
+            port = sink.port()
+            sender = self.app(kind, "tlssend", port, p.bulk_warmup, p.bulk_bytes, p.write)
+            rate = sender.result()["bytes_per_s"]
+            sink.finish()
+            return (rate,)
+
+        return once
+
     def rr(self, size: int) -> Callable[[str], tuple[float, float]]:
         p = self.plan
 
@@ -442,8 +455,10 @@ class UserView:
         try:
             self.tls_files = _tls_files()
             self.measure(("tls_rr_1k_p50", "tls_rr_1k_p99"), self.tls_rr(1024))
+            progress("user view: bulk over TLS")
+            self.measure(("tls_bulk",), self.tls_bulk())
         except (OSError, subprocess.SubprocessError) as e:
-            self.notes.append(f"user view TLS round trips: {e}")
+            self.notes.append(f"user view TLS rows: {e}")
         progress("user view: round-trip bound (C, shared memory)")
         try:
             bounds = _rtt_ceiling.measure([s for s, *_ in RR_SIZES], p.rr_rounds, p.rr_warmup)

@@ -644,6 +644,33 @@ class Channel(ChannelBase):
             mv[first:n] = ring[: n - first]
         return n, done
 
+    def discard(self, buffer: Any) -> int:
+        """``MSG_TRUNC``: consume up to ``len(buffer)`` received bytes without copying them
+        (the buffer only says how many; TCP drops them so too). An empty ring, EOF and errors
+        as :meth:`recv_into`."""
+        _, avail = self._rx_look()
+        L = self._rx_len
+        if avail <= 0 or avail > L:  # nothing (EOF, a dead peer, level mode) or a violation
+            return self._recv_into(memoryview(bytearray(0)))
+        size = buffer.nbytes if type(buffer) is memoryview else len(buffer)
+        n = size if size < avail else avail
+        pos = self._rx_pos + n
+        if pos >= L:  # across the ring's end: once a lap
+            pos -= L
+            self._rx_new_wrap((self._rx_wrap + 1) & 0xFFFF)
+        word = self._rx_wbits | pos << COUNT_SHIFT
+        self._rx_empty_word = word
+        self._rx_pos = pos
+        fb = self._flag_bits
+        txh = self._tx_hdr
+        txh[W_CONS] = word | fb  # our consumer cursor → the peer's header
+        if self._flag_bits != fb:  # a writer thread published flags meanwhile
+            txh[W_CONS] = word | self._flag_bits
+        self._kick_space_maybe(avail - n)
+        if self._level and n == avail:
+            self._level_sync()
+        return n
+
     def unread(self) -> int:
         """The bytes received and not yet read (``SIOCINQ``); none once the connection was
         reset, as a reset TCP socket has none."""

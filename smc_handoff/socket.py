@@ -543,6 +543,11 @@ class SmcSocket(_BaseSocket):
         if smc is None and self._pending is not None:
             smc = self._settle()
         if smc is not None:
+            if _tls_takeover.get() is self:
+                # ssl's SSLSocket._create asks for the number only to make its socket object
+                # (a twin of ours): nothing will poll it, so no level mode (which would keep a
+                # TLS connection from taking its records in batches, smc_handoff.tls)
+                return smc.fd
             return smc.channel.fileno()
         return super().fileno()
 
@@ -895,7 +900,9 @@ class SmcSocket(_BaseSocket):
             view = view[:nbytes]
         if not view.nbytes:
             return 0
-        if flags & _MSG_TRUNC:  # TCP's (and AF_SMC's): the bytes are read, not copied out
+        if flags & _MSG_TRUNC and flags & (_MSG_PEEK | _MSG_WAITALL):
+            # TCP's (and AF_SMC's): the bytes are read, not copied out (alone: consumed in the
+            # ring without a copy, see _recv_turn)
             return self.recv_into(bytearray(view.nbytes), 0, flags & ~_MSG_TRUNC)
         deadline = self._deadline(flags)
         return _in_turn(smc.channel.rx_lock, deadline, self._recv_turn, smc, view, flags, deadline)
@@ -907,7 +914,8 @@ class SmcSocket(_BaseSocket):
         if flags & (_MSG_PEEK | _MSG_WAITALL):
             return self._recv_special(smc, view, flags)
         ch = smc.channel
-        n = ch.recv_into(view)  # raises ConnectionResetError after an abort
+        read = ch.discard if flags & _MSG_TRUNC else ch.recv_into
+        n = read(view)  # raises ConnectionResetError after an abort
         if n:
             return n
         until: float | None = _UNSET
@@ -919,7 +927,7 @@ class SmcSocket(_BaseSocket):
             if until == _UNSET:
                 until = self._blocking_until(smc, False) if deadline is None else None
             self._wait_in(ch.wait_readable, deadline, until)
-            n = ch.recv_into(view)
+            n = read(view)
             if n:
                 return n
 
@@ -930,6 +938,8 @@ class SmcSocket(_BaseSocket):
         try:
             if flags & (_MSG_PEEK | _MSG_WAITALL):
                 return self._recv_special(smc, view, (flags & ~_MSG_WAITALL) | _MSG_DONTWAIT)
+            if flags & _MSG_TRUNC:
+                return smc.channel.discard(view)
             return smc.channel.recv_into(view)
         except BlockingIOError:
             return 0

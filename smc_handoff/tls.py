@@ -39,8 +39,13 @@ _HEADER = 5
 _DONTWAIT = socket.MSG_DONTWAIT
 _SLICE = 256 << 10
 """Plaintext bytes encrypted at once by :meth:`ChannelTls.write` (16 records)."""
-_MAX_RECORD = 0xFFFF
-"""The most a record's length field can say (real records stay under 16.5 KiB)."""
+_BATCH = 256 << 10
+"""The most :meth:`ChannelTls._fill` peeks at once."""
+_SMALL = 1024
+"""Records up to this length end a batch: a close_notify is one (24 to 100 bytes with the usual
+ciphers; OpenSSL pads records only when configured to, e.g. ``RecordPadding``)."""
+_PEEK = socket.MSG_PEEK
+_TRUNC = socket.MSG_TRUNC
 
 
 class ChannelTls:
@@ -58,9 +63,12 @@ class ChannelTls:
         self._unsent = b""  # records a non-blocking send left behind
         self._tx_lock = threading.Lock()
         self._written = 0  # a non-blocking write() that OpenSSL took but could not flush
-        self._view = memoryview(bytearray(_HEADER + _MAX_RECORD))
-        self._got = 0  # bytes of the current record's header read
-        self._left = 0  # bytes of its body still to read
+        self._view = memoryview(bytearray(_BATCH))  # peeked records
+        self._pos = self._end = 0  # those of them still in the ring: view[pos:end]
+        self._hdr = bytearray(_HEADER)  # the current record's header, as far as taken
+        self._hlen = 0  # bytes of it taken
+        self._left = 0  # bytes of its body not yet taken
+        self._rlen = 0  # its length
 
     # -- moving records ------------------------------------------------------------------------
 
@@ -85,35 +93,66 @@ class ChannelTls:
                                             "complete (write)") from None  # fmt: skip
 
     def _fill(self) -> None:
-        """Read the rest of the current record (its 5-byte header, then its body), never past
-        it: after a close_notify the bytes that follow are the plaintext of an ``unwrap()``ed
-        connection, which must stay in the channel (OpenSSL reads a descriptor so too). A
-        blocking socket reads the whole record here; a non-blocking one what is there."""
-        view, got, read = self._view, 0, self._recv_into
-        while True:
-            header = self._got < _HEADER
-            want = view[self._got : _HEADER] if header else view[_HEADER : _HEADER + self._left]
+        """Move the peer's records that are there into OpenSSL, no more than may go.
+
+        The records are peeked, up to :data:`_BATCH` bytes, and only those given to OpenSSL
+        are consumed (``MSG_TRUNC``: without a second copy). How many may go:
+
+        - while nothing can watch the socket's readiness (no ``fileno()`` yet), all of them up
+          to and including the first short one (:data:`_SMALL`): a close_notify is short, and
+          the bytes after it are the plaintext of an ``unwrap()``ed connection, which must
+          stay in the channel (OpenSSL reads a descriptor so too). A stream of full records
+          then costs one read per batch instead of two (header, body) per record;
+        - once ``select``/``poll``/``epoll`` may watch it, one record at a time: a record
+          taken into OpenSSL's memory buffer is invisible to them, and a program that waits
+          for readiness before each read would wait for it forever.
+
+        A blocking socket waits for the first bytes; a non-blocking one takes what is there."""
+        view, owner = self._view, self._owner
+        pos, end = self._pos, self._end
+        if pos == end:
             try:
-                n = read(self._owner, want)
+                end = self._recv_into(owner, view, 0, _PEEK)
             except BlockingIOError:
-                if got:
-                    return  # OpenSSL asks again for the rest
                 raise ssl.SSLWantReadError(ssl.SSL_ERROR_WANT_READ, "The operation did not "
                                            "complete (read)") from None  # fmt: skip
-            if not n:
+            if not end:
                 self._in.write_eof()
                 return
-            got += n
-            self._in.write(want[:n])
-            if header:
-                self._got += n
-                if self._got == _HEADER:
-                    self._left = int.from_bytes(view[3:5], "big")
-            else:
-                self._left -= n
-            if self._got == _HEADER and not self._left:
-                self._got = 0  # the record is whole: a header next
-                return
+            pos = 0
+        ch = owner.channel
+        cut = self._record_end(view, pos, end)
+        if ch is not None and not ch.watched:
+            while cut < end and self._rlen > _SMALL:
+                cut = self._record_end(view, cut, end)
+        self._in.write(view[pos:cut])
+        self._pos, self._end = (cut, end) if cut < end else (0, 0)
+        while pos < cut:  # the bytes just given to OpenSSL leave the ring, without a copy
+            pos += self._recv_into(owner, view[pos:cut], 0, _TRUNC)
+
+    def _record_end(self, view: memoryview, pos: int, end: int) -> int:
+        """Where the record at ``pos`` ends in the peeked bytes up to ``end`` (``end`` when
+        it goes on past them); the framing state follows what is taken (a record's header may
+        span two batches)."""
+        left = self._left
+        if left:  # the rest of a body
+            if left <= end - pos:
+                self._left = 0
+                return pos + left
+            self._left = left - (end - pos)
+            return end
+        hdr, have = self._hdr, self._hlen
+        take = _HEADER - have
+        if take > end - pos:
+            take = end - pos
+        hdr[have : have + take] = view[pos : pos + take]
+        pos += take
+        if have + take < _HEADER:
+            self._hlen = have + take
+            return end
+        self._hlen = 0
+        self._left = self._rlen = int.from_bytes(hdr[3:5], "big")
+        return self._record_end(view, pos, end) if self._left else pos
 
     def _run(self, op: Callable[..., _T], *args: Any) -> _T:
         """Run an OpenSSL call to its end: its records out, the peer's in, as it asks."""
@@ -137,6 +176,7 @@ class ChannelTls:
         handshake flight), so that the close which follows is a close, not an abort that
         would discard the alert just sent before the peer reads it (TCP delivers it first)."""
         buf = self._view
+        self._pos = self._end = 0
         while self._recv_into(self._owner, buf, 0, _DONTWAIT):
             pass
 
@@ -184,6 +224,14 @@ class ChannelTls:
     def shutdown(self) -> SmcSocket:
         """``unwrap()``: close_notify both ways; the socket goes on in plaintext."""
         self._run(self._obj.shutdown)
+        if self._in.pending:
+            # Bytes after the peer's close_notify went into OpenSSL with it: a padded one,
+            # longer than _SMALL. They cannot go back into the stream, so the connection
+            # ends as an error rather than going on without them.
+            self._owner.abort()
+            raise ssl.SSLError(ssl.SSL_ERROR_SSL, "the peer's close_notify was padded past "
+                               f"{_SMALL} bytes and the plaintext after it was read with it; "
+                               "the connection was reset")  # fmt: skip
         return self._owner
 
     @property

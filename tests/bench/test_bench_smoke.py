@@ -157,6 +157,7 @@ USER_ROWS = [
     ("round trip 64 KiB, p99", "us", None, "cmp"),
     ("TLS round trip 1 KiB (ssl), p50", "us", None, "cmp"),
     ("TLS round trip 1 KiB (ssl), p99", "us", None, "cmp"),
+    ("TLS bulk, 64 KiB sendall (ssl)", "GB/s", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("setup p50 (connect + first send), one at a time", "us", "<= 500 us", "cmp"),
     ("bound: smcd CPU per connection", "us", None, "bound"),

@@ -538,3 +538,35 @@ def test_leave_together_refuses_with_data_unread_or_a_peer_that_does_not_come() 
     assert drain(a) == b"still"
     a.close()
     b.close()
+
+
+def test_discard_consumes_without_copying_across_the_rings_end() -> None:
+    """``discard`` (``MSG_TRUNC``; TLS takes its peeked records so) consumes what
+    ``recv_into`` would, across the ring's end too, leaves the buffer alone and counts the
+    bytes as received; then ``0`` for nothing yet and for EOF."""
+    a, b = pair()
+    rng = random.Random(7)
+    sent = bytearray()
+    got = bytearray()
+    for _ in range(40):  # ~10 laps
+        chunk = rng.randbytes(rng.randint(1, 9000))
+        assert a.send_into(chunk) == len(chunk)  # (the ring is drained after each)
+        sent += chunk
+        while True:
+            peek = bytearray(rng.randint(1, 12000))
+            n, _ = b.peek_into(peek)
+            if not n:
+                break
+            keep = bytes(peek[:n])
+            untouched = bytearray(b"-" * n)
+            assert b.discard(memoryview(untouched)) == n
+            assert untouched == b"-" * n
+            got += keep
+    assert got == sent and b.stats()["rx_cons"][0] > 5
+    assert b.stats()["bytes_received"] == len(sent)
+    assert b.discard(bytearray(10)) == 0 and not b.eof
+    a.send_into(b"bye")
+    a.close()
+    assert b.discard(bytearray(2)) == 2 and b.recv_bytes(10) == b"e"
+    assert b.discard(bytearray(10)) == 0 and b.eof
+    b.close()

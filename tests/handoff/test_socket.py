@@ -557,6 +557,13 @@ def test_flags_and_addresses_tcp_takes(pair: tuple[Any, Any]) -> None:
     if isinstance(b, SmcSocket) and b.mode == "smcd":
         assert buf == bytearray(b"..")  # not copied (TCP's too, on Linux)
     assert recv_exactly(b, 5) == b"ijkl!"
+    a.sendall(b"mnop")
+    buf = bytearray(b"....")
+    got = b.recv_into(buf, 2, socket.MSG_TRUNC)  # alone: what is there, up to 2, dropped
+    assert got in (1, 2)
+    if isinstance(b, SmcSocket) and b.mode == "smcd":
+        assert buf == bytearray(b"....")
+    assert recv_exactly(b, 4 - got) == b"mnop"[got:]
 
 
 def test_select_and_selectors(pair: tuple[Any, Any]) -> None:
