@@ -455,12 +455,6 @@ class ChannelBase:
         if self._fence:
             self._pass_fence()
 
-    @property
-    def watched(self) -> bool:
-        """Has :meth:`fileno` handed out the descriptor (``select``/``poll``/``epoll`` may
-        watch this end's readiness, which only the ring's bytes make)?"""
-        return self._level or self._level_wanted
-
     def leave_level_mode(self) -> None:
         """Stop keeping the eventfd readable while something is pending (what ``fileno()``
         started), disarmed and drained: for a process that only makes blocking calls on an

@@ -69,6 +69,7 @@ class ChannelTls:
         self._hlen = 0  # bytes of it taken
         self._left = 0  # bytes of its body not yet taken
         self._rlen = 0  # its length
+        self._budget = 0  # the bytes the read in progress takes (0: one record at a time)
 
     # -- moving records ------------------------------------------------------------------------
 
@@ -93,19 +94,18 @@ class ChannelTls:
                                             "complete (write)") from None  # fmt: skip
 
     def _fill(self) -> None:
-        """Move the peer's records that are there into OpenSSL, no more than may go.
+        """Move the peer's next records that are there into OpenSSL, no more than may go.
 
         The records are peeked, up to :data:`_BATCH` bytes, and only those given to OpenSSL
-        are consumed (``MSG_TRUNC``: without a second copy). How many may go:
-
-        - while nothing can watch the socket's readiness (no ``fileno()`` yet), all of them up
-          to and including the first short one (:data:`_SMALL`): a close_notify is short, and
-          the bytes after it are the plaintext of an ``unwrap()``ed connection, which must
-          stay in the channel (OpenSSL reads a descriptor so too). A stream of full records
-          then costs one read per batch instead of two (header, body) per record;
-        - once ``select``/``poll``/``epoll`` may watch it, one record at a time: a record
-          taken into OpenSSL's memory buffer is invisible to them, and a program that waits
-          for readiness before each read would wait for it forever.
+        are consumed (``MSG_TRUNC``: without a second copy). What may go is what OpenSSL
+        would read from a descriptor: the next record, or, for a read of ``len`` bytes
+        (:attr:`_budget`), the records whose bytes fit in ``len`` (at least one), which
+        :meth:`read` then decrypts in the same call. So a stream of full records costs one
+        read out of the ring per batch instead of two (header, body) per record, and no
+        record stays in OpenSSL's memory buffer past the call, where ``select``/``poll``/
+        ``epoll`` could not see it. A batch ends after a short record (:data:`_SMALL`): a
+        close_notify is one, and the bytes after it are the plaintext of an ``unwrap()``ed
+        connection, which must stay in the channel.
 
         A blocking socket waits for the first bytes; a non-blocking one takes what is there."""
         view, owner = self._view, self._owner
@@ -120,11 +120,13 @@ class ChannelTls:
                 self._in.write_eof()
                 return
             pos = 0
-        ch = owner.channel
         cut = self._record_end(view, pos, end)
-        if ch is not None and not ch.watched:
-            while cut < end and self._rlen > _SMALL:
-                cut = self._record_end(view, cut, end)
+        room = self._budget - (cut - pos)
+        while cut + _HEADER <= end and self._rlen > _SMALL and not self._left:
+            room -= _HEADER + int.from_bytes(view[cut + 3 : cut + 5], "big")
+            if room < 0:
+                break  # the next record would not fit in the read: it stays in the ring
+            cut = self._record_end(view, cut, end)
         self._in.write(view[pos:cut])
         self._pos, self._end = (cut, end) if cut < end else (0, 0)
         while pos < cut:  # the bytes just given to OpenSSL leave the ring, without a copy
@@ -186,11 +188,47 @@ class ChannelTls:
         self._run(self._obj.do_handshake)
 
     def read(self, len: int = 1024, buffer: Any = None) -> Any:
+        """Up to ``len`` bytes: the first record's as OpenSSL reads it, then those of the
+        other records :meth:`_fill` took for this read (OpenSSL returns one record's at a
+        time), so that none stays behind in its memory buffer."""
         if self._unsent:
             self._flush()
-        if buffer is None:
-            return self._run(self._obj.read, len)
-        return self._run(self._obj.read, len, buffer)
+        self._budget = len
+        try:
+            if buffer is None:
+                data: bytes = self._run(self._obj.read, len)
+                if not (data and self._in.pending):
+                    return data
+                parts = [data]
+
+                def more(k: int, _: int) -> int:
+                    parts.append(self._obj.read(k))
+                    return parts[-1].__len__()
+
+                self._drain(len - data.__len__(), more)
+                return b"".join(parts)
+            n: int = self._run(self._obj.read, len, buffer)
+            if n and self._in.pending and n < len:
+                view = memoryview(buffer).cast("B")[n:len]
+                n += self._drain(view.__len__(), lambda k, at: self._obj.read(k, view[at:]))
+            return n
+        finally:
+            self._budget = 0
+
+    def _drain(self, room: int, take: Callable[[int, int], int]) -> int:
+        """OpenSSL's reads of the records :meth:`_fill` took for this read, up to ``room``
+        bytes (``take(k, at)`` reads up to k bytes, the ``at``-th on): what they gave."""
+        got = 0
+        while got < room and self._in.pending:
+            try:
+                k = take(room - got, got)
+            except ssl.SSLError:  # (a partial record: the rest is still in the ring)
+                break  # an error stays for the next call, which has no data to return first
+            if not k:
+                break
+            got += k
+        self._flush()  # (a post-handshake message read on the way may have an answer)
+        return got
 
     def write(self, data: Any) -> int:
         """Encrypt and send ``data``, :data:`_SLICE` bytes at a time (OpenSSL writing into a
