@@ -279,7 +279,9 @@ def register(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
 
     p = sub.add_parser(
-        "info", parents=[common], help="versions, capabilities, hostname, SEID and UEIDs"
+        "info",
+        parents=[common],
+        help="versions, capabilities, ACTIVE SMC-R ports, hostname, SEID and UEIDs",
     )
     p.set_defaults(func=_runner(_info))
 
@@ -387,13 +389,21 @@ async def _info(client: SmcdClient, args: argparse.Namespace) -> int:
     if _json(args):
         _print_json(info)
         return 0
+    caps = info.get("Capabilities", [])
+    smcr: list[tuple[str, object]] = []
+    if any(str(c).startswith("SMC-R") for c in caps):
+        # The capabilities are the configured modes, as the kernel's are the versions it
+        # supports; whether SMC-R can be used now is the RDMA ports' state.
+        devices = _objects_with(await client.managed_objects(), DEVICE_INTERFACE)
+        smcr = [("SMC-R ports", devices_view.smcr_ports(devices))]
     print(
         _kv(
             [
                 ("smcd version", info.get("Version", "")),
                 ("SMC protocol", info.get("SmcProtocol", "")),
                 ("Hostname", info.get("Hostname", "")),
-                ("Capabilities", ", ".join(info.get("Capabilities", [])) or "none"),
+                ("Capabilities", ", ".join(caps) or "none"),
+                *smcr,
                 ("SEID", info.get("Seid") or "-"),
                 ("SEID status", info.get("SeidStatus", "")),
                 ("UEIDs", ", ".join(info.get("Ueids", [])) or "none"),

@@ -83,6 +83,24 @@ def device_detail(d: Mapping[str, Any]) -> str:
     return f"gid {d.get('Gid', '')}, chid 0x{int(d.get('Chid', 0)):04x}"
 
 
+def smcr_ports(devices: Iterable[Mapping[str, Any]]) -> str:
+    """``smcctl info``'s word on SMC-R: the ACTIVE ports of the RDMA devices (what SMC-R
+    runs over), or why there is none."""
+    ports = [
+        (str(d.get("Name", "")), int(num), str(state))
+        for d in devices
+        if d.get("Kind") == "rdma"
+        for num, state, *_ in d.get("Ports", [])
+    ]
+    active = [f"{name} port {num}" for name, num, state in ports if state == "ACTIVE"]
+    if active:
+        return ", ".join(active) + " ACTIVE"
+    if ports:
+        seen = ", ".join(f"{name} port {num} {state}" for name, num, state in ports)
+        return f"none ACTIVE ({seen}): SMC-R cannot be used now"
+    return "none: no RDMA device here, SMC-R cannot be used (smcctl device)"
+
+
 def device_state(d: Mapping[str, Any]) -> str:
     if d.get("Kind") == "netdev":
         return str(d.get("OperState") or ("UP" if d.get("Up") else "DOWN"))

@@ -192,3 +192,23 @@ def test_mode_column_as_smcss() -> None:
 def test_render_table_aligns_columns() -> None:
     text = render_table(("A", "Long header"), [("xxxx", 1), ("y", 22)])
     assert text.splitlines() == ["A     Long header", "xxxx  1", "y     22"]
+
+
+def test_smcr_ports_names_the_active_ones_or_why_there_are_none() -> None:
+    """``smcctl info``'s SMC-R line from the device records as D-Bus gives them (``Ports``:
+    port, state, active MTU, netdev, PNETID); the live daemons' answers are checked in
+    tests/control (none) and the VM (rxe ports ACTIVE)."""
+    from smcd_daemon.cli.devices import smcr_ports
+
+    rxe = {"Kind": "rdma", "Name": "rxe0", "Ports": [(1, "ACTIVE", 1024, "eth0", "")]}
+    down = {
+        "Kind": "rdma",
+        "Name": "mlx5_1",
+        "Ports": [(1, "DOWN", 0, "", ""), (2, "INIT", 0, "", "")],
+    }
+    lo = {"Kind": "netdev", "Name": "lo"}
+    assert smcr_ports([lo, rxe, down]) == "rxe0 port 1 ACTIVE"
+    assert smcr_ports([lo, down]) == (
+        "none ACTIVE (mlx5_1 port 1 DOWN, mlx5_1 port 2 INIT): SMC-R cannot be used now"
+    )
+    assert smcr_ports([lo]) == "none: no RDMA device here, SMC-R cannot be used (smcctl device)"

@@ -346,6 +346,19 @@ def test_bad_dbus_arguments_are_refused_and_survived(env: Env, smcd: SmcdProcess
     assert {e["pnetid"] for e in json.loads(r.stdout)} == {"NET1"}
 
 
+def test_info_says_whether_smcr_can_be_used_now(env: Env, smcd: SmcdProcess) -> None:
+    """``smcctl info`` lists SMC-R among the capabilities when its modes are on (as the
+    kernel lists the versions it supports) and says on a line of its own whether an RDMA port
+    is ACTIVE: on this host there is no RDMA device, so SMC-R cannot be used (the VM's SMC-R
+    tests see their rxe ports ACTIVE there)."""
+    text = smcctl(["info"], bus=env.address).stdout
+    lines = dict(line.split(" : ", 1) for line in text.splitlines() if " : " in line)
+    lines = {k.strip(): v for k, v in lines.items()}
+    assert "SMC-Rv2" in lines["Capabilities"], text
+    want = "none: no RDMA device here, SMC-R cannot be used (smcctl device)"
+    assert lines["SMC-R ports"] == want, text
+
+
 def test_sighup_reload(env: Env, smcd: SmcdProcess) -> None:
     good = env.config.read_text()
     try:

@@ -426,6 +426,9 @@ def test_64mib_checksummed_through_the_daemons(
             lg, link = one_link(lgs, f"smcd {d.name}")
             assert lg["Role"] == role and link["IbDev"] == dev, f"smcd {d.name}: {lg}"
             assert lg["Connections"] >= 1 and link["Connections"] >= 1, f"smcd {d.name}: {lg}"
+            info = d.ctl("info").splitlines()
+            line = next((x for x in info if x.startswith("SMC-R ports")), "")
+            assert f"{dev} port 1" in line and line.endswith(" ACTIVE"), f"smcd {d.name}: {info}"
         for name, path, spy in spies:
             spy.wait(PROFILE + 120)
             print(f"--- py-spy {name} ({path.name}): most sampled leaf frames\n{top(path)}")
