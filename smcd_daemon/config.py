@@ -493,6 +493,15 @@ class TimeoutsConfig(_Section):
         ge=0,
         le=MAX_TIMEOUT,
     )
+    stop_grace: Seconds = _doc(
+        f"must be a number of seconds, 0 ≤ seconds ≤ {MAX_TIMEOUT:g}",
+        default=2.0,
+        ge=0,
+        le=MAX_TIMEOUT,
+    )
+    """How long a stopping daemon (SIGTERM) lets the handshakes under way end before it resets
+    their connections (they take milliseconds, but a client half may wait up to ``clc_wait``
+    for its peer's answer); keep it below the service's ``TimeoutStopSec`` (15 s)."""
 
 
 class ModesConfig(_Section):
@@ -789,6 +798,7 @@ RELOADABLE: frozenset[str] = frozenset(
         "timeouts.llc",
         "timeouts.test_link",
         "timeouts.linger",
+        "timeouts.stop_grace",
         "modes.smcd_loopback",
         "modes.smcr_v1",
         "modes.smcr_v2",

@@ -197,7 +197,7 @@ SIZE = "(bytes; suffixes K/M/G allowed)"
         (
             "[timeouts]\nclc = 3\n",
             "timeouts.clc = 3: unknown key 'clc'; known keys: clc_wait, proposal_wait, "
-            "local_client_wait, first_llc, llc, test_link, linger",
+            "local_client_wait, first_llc, llc, test_link, linger, stop_grace",
         ),
         (
             '[buffers]\nmax_dmb_size = "2M"\n',

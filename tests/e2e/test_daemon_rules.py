@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import socket
 import threading
 import time
@@ -270,5 +271,43 @@ def test_a_stopping_daemon_lets_a_handshake_under_way_end(smcd: Smcd, apps: Any)
     finally:
         stopper.join(10)
         raw.close()
+        if not smcd.alive():
+            smcd.start()
+
+
+def test_a_stopping_daemon_waits_for_handshakes_only_its_stop_grace(smcd: Smcd, apps: Any) -> None:
+    """``timeouts.stop_grace`` (reloadable) bounds that wait: with 0.3 s, a handshake whose peer
+    never answers the Proposal is not waited for up to its CLC timer (``clc_wait``, 1 s here);
+    the daemon says so and exits, and the connection, whose stream already holds the Proposal,
+    is reset (an error, never a stream with CLC bytes in it)."""
+    raw = socket.create_server(("127.0.0.1", 0))
+    smcd.write_config()
+    text = smcd.config.read_text().replace("[timeouts]\n", "[timeouts]\nstop_grace = 0.3\n")
+    smcd.config.write_text(text)
+    assert smcd.proc is not None
+    smcd.notify.clear()
+    smcd.proc.signal(signal.SIGHUP)
+    status = smcd.notify.wait_for("READY", "1")["STATUS"]
+    assert "timeouts.stop_grace" in status, status
+    client = apps("client")
+    try:
+        client.send("connect", port=raw.getsockname()[1])
+        conn, _ = raw.accept()
+        conn.settimeout(10)
+        proposal = conn.recv(4096)
+        assert proposal.startswith(EYE), proposal  # CLC began; the peer stays silent
+        t0 = time.monotonic()
+        smcd.stop()
+        took = time.monotonic() - t0
+        assert not smcd.alive()
+        assert took < CLC_WAIT, took  # not the CLC timer's end
+        log = smcd.log()
+        assert "1 handshakes did not end within 0.3 s of the stop" in log, log[-2000:]
+        got = client.reply(timeout=10)
+        assert got.get("error") == "ConnectionResetError", got
+        conn.close()
+    finally:
+        raw.close()
+        smcd.write_config()
         if not smcd.alive():
             smcd.start()

@@ -76,9 +76,6 @@ behind (a full queue fails a timed connect at once)."""
 ACCEPT_PAUSE = 0.1
 """Seconds accepting pauses when the daemon is out of descriptors (the listening socket stays
 readable: without a pause the loop would spin on it)."""
-STOP_GRACE = 2.0
-"""Seconds a stopping daemon gives the handshakes under way to end (they take milliseconds; a
-server half may wait up to ``timeouts.proposal_wait`` for a Proposal)."""
 
 
 _HANDOFFS = (m.Connect, m.Accept)
@@ -204,8 +201,9 @@ class HandoffServer:
         self.loop.add_reader(self._sock.fileno(), self._on_accept)
         self.gate.start(self.loop)
 
-    async def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop serving. Handshakes under way get up to ``grace`` seconds to end (cancelled
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving. Handshakes under way get up to ``grace`` seconds (by default
+        ``timeouts.stop_grace`` of the configuration in force) to end (cancelled
         mid-CLC, one would leave its TCP connection reset: an error for its application);
         connections that sent no request yet, and client halves still waiting for their server
         half, give up at once (their streams are untouched: TCP). Live channels go on."""
@@ -215,7 +213,7 @@ class HandoffServer:
         if self.loop is not None:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self._sock.fileno())
-        await self._drain(grace)
+        await self._drain(self.cfg.timeouts.stop_grace if grace is None else grace)
         self.observer.stop()
         self.gate.stop()
         for client in list(self._clients):
