@@ -328,26 +328,17 @@ class UserView:
 
     # the figures, one run each -------------------------------------------------------------
 
-    def bulk(self, stride: int) -> Callable[[str], tuple[float]]:
+    def bulk(self, stride: int, tls: bool = False) -> Callable[[str], tuple[float]]:
+        """Bulk into a sink that checks every ``stride``-th byte (0: none); ``tls``: both
+        ends in ``ssl`` (no check)."""
         p = self.plan
+        reader, writer = ("tlssink", "tlssend") if tls else ("sink", "send")
+        tail = () if tls else (stride,)
 
         def once(kind: str) -> tuple[float]:
-            sink = self.app(kind, "sink", p.bulk_warmup, p.bulk_bytes, p.recv, stride)
+            sink = self.app(kind, reader, p.bulk_warmup, p.bulk_bytes, p.recv, *tail)
             port = sink.port()
-            sender = self.app(kind, "send", port, p.bulk_warmup, p.bulk_bytes, p.write)
-            rate = sender.result()["bytes_per_s"]
-            sink.finish()
-            return (rate,)
-
-        return once
-
-    def tls_bulk(self) -> Callable[[str], tuple[float]]:
-        p = self.plan
-
-        def once(kind: str) -> tuple[float]:
-            sink = self.app(kind, "tlssink", p.bulk_warmup, p.bulk_bytes, p.recv)
-            port = sink.port()
-            sender = self.app(kind, "tlssend", port, p.bulk_warmup, p.bulk_bytes, p.write)
+            sender = self.app(kind, writer, port, p.bulk_warmup, p.bulk_bytes, p.write)
             rate = sender.result()["bytes_per_s"]
             sink.finish()
             return (rate,)
@@ -456,7 +447,7 @@ class UserView:
             self.tls_files = _tls_files()
             self.measure(("tls_rr_1k_p50", "tls_rr_1k_p99"), self.tls_rr(1024))
             progress("user view: bulk over TLS")
-            self.measure(("tls_bulk",), self.tls_bulk())
+            self.measure(("tls_bulk",), self.bulk(0, tls=True))
         except (OSError, subprocess.SubprocessError) as e:
             self.notes.append(f"user view TLS rows: {e}")
         progress("user view: round-trip bound (C, shared memory)")

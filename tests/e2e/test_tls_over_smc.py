@@ -196,15 +196,22 @@ def test_starttls_between_a_blocking_client_and_an_asyncio_server(
     assert [m[:2] for m in _modes(serr)] == [("accept", "smcd")] * 3, serr
 
 
-NONBLOCKING_SERVER = (
+ACCEPT_ONE = (
     COUNTERS
     + r"""
-import select, ssl, sys
+import select, ssl, sys, time
 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
 ctx.load_cert_chain(sys.argv[1], sys.argv[2])
 lsock = socket.create_server(("127.0.0.1", 0))
 print("PORT", lsock.getsockname()[1], flush=True)
 conn, _ = lsock.accept()
+"""
+)
+"""The prologue of a TLS server of one connection (``conn``, accepted; ``ctx`` to wrap it)."""
+
+NONBLOCKING_SERVER = (
+    ACCEPT_ONE
+    + r"""
 tls = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
 tls.setblocking(False)
 def retry(op, *args):
@@ -706,14 +713,8 @@ def test_plaintext_right_after_a_close_notify_stays_in_the_stream(
 
 
 SELECT_EACH_READ_SERVER = (
-    COUNTERS
+    ACCEPT_ONE
     + r"""
-import select, ssl, sys, time
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(sys.argv[1], sys.argv[2])
-lsock = socket.create_server(("127.0.0.1", 0))
-print("PORT", lsock.getsockname()[1], flush=True)
-conn, _ = lsock.accept()
 tls = ctx.wrap_socket(conn, server_side=True)
 time.sleep(0.3)  # the client's records are all there before the first read
 got, reads = 0, 0
