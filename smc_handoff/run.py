@@ -30,10 +30,12 @@ program never breaks because smcd is absent.
 from __future__ import annotations
 
 import _socket as _csocket
+import builtins
 import contextlib
 import errno
 import fcntl
 import functools
+import io
 import logging
 import os
 import socket as _socket
@@ -508,8 +510,8 @@ def _patch_exec() -> None:
 
 
 def _patch_fd_calls(fcntl: Any) -> None:
-    """``os.read``, ``os.write``, ``os.readv``, ``os.writev``, ``os.sendfile``,
-    ``fcntl.ioctl``, ``fcntl.fcntl``'s ``F_GETFL``/``F_SETFL`` and
+    """``open``/``os.fdopen``, ``os.read``, ``os.write``, ``os.readv``, ``os.writev``,
+    ``os.sendfile``, ``fcntl.ioctl``, ``fcntl.fcntl``'s ``F_GETFL``/``F_SETFL`` and
     ``os.get_blocking``/``os.set_blocking`` on an SMC connection's ``fileno()`` act on the
     connection, as they act on a TCP socket's descriptor. That number is the channel's
     eventfd: unpatched, ``os.read`` returned its 8-byte counter as if it were data, and
@@ -558,6 +560,26 @@ def _patch_fd_calls(fcntl: Any) -> None:
                 return value
         return fcntl_call(fd, cmd, arg)
 
+    real_open = io.open
+
+    @functools.wraps(real_open)
+    def smc_open(
+        file: Any,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+        closefd: bool = True,
+        opener: Any = None,
+    ) -> Any:
+        if by_fd and type(file) is int and opener is None and (sock := connection(file)):
+            return sock.fd_open(mode, buffering, encoding, errors, newline, closefd)
+        return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+
+    # open(fd) and os.fdopen(fd) (which calls io.open): unpatched, their reads returned the
+    # eventfd's counter as data, then EOF, and their writes were lost
+    io.open = builtins.open = smc_open
     os.read = on_connection(os.read, SmcSocket.fd_read)
     os.write = on_connection(os.write, SmcSocket.fd_write)
     os.readv = on_connection(os.readv, SmcSocket.fd_readv)

@@ -55,6 +55,7 @@ import contextlib
 import contextvars
 import errno
 import functools
+import io as _io
 import logging
 import operator
 import os
@@ -424,6 +425,63 @@ def _in_turn(
         raise _closed_meanwhile(smc.channel, e) from None
     finally:
         lock.release()
+
+
+class DescriptorIO(_io.RawIOBase):
+    """What ``FileIO`` is for a TCP socket's descriptor (read(2), write(2), close(2) on it),
+    for an SMC connection's ``fileno()``: reads and writes of the connection with read(2)'s
+    and write(2)'s waits (:meth:`SmcSocket.fd_read`), ``None`` where they would say
+    ``EAGAIN``, and ``close()`` closing the connection unless ``closefd`` is false."""
+
+    def __init__(self, sock: SmcSocket, reading: bool, writing: bool, closefd: bool) -> None:
+        super().__init__()
+        self._sock = sock
+        self._reading, self._writing = reading, writing
+        self.closefd = closefd
+        self.name = sock.fileno()
+        self.mode = ("rb+" if writing else "rb") if reading else "wb"
+
+    def _flags(self) -> int:
+        return 0 if self._sock.gettimeout() is None else _MSG_DONTWAIT
+
+    def readable(self) -> bool:
+        self._checkClosed()
+        return self._reading
+
+    def writable(self) -> bool:
+        self._checkClosed()
+        return self._writing
+
+    def fileno(self) -> int:
+        self._checkClosed()
+        return self._sock.fileno()
+
+    def readinto(self, buffer: Any) -> int | None:
+        self._checkClosed()
+        if not self._reading:
+            raise _io.UnsupportedOperation("File not open for reading")
+        try:
+            return self._sock.recv_into(buffer, 0, self._flags())
+        except BlockingIOError:
+            return None
+
+    def write(self, data: Any) -> int | None:
+        self._checkClosed()
+        if not self._writing:
+            raise _io.UnsupportedOperation("File not open for writing")
+        try:
+            return self._sock.send(data, self._flags())
+        except BlockingIOError:
+            return None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().close()
+        finally:
+            if self.closefd:
+                self._sock.close()
 
 
 # --- the socket -------------------------------------------------------------------------------
@@ -1028,6 +1086,49 @@ class SmcSocket(_BaseSocket):
         """``os.write(fileno(), data)``: what write(2) gives on the TCP socket (see
         :meth:`fd_read` for when it waits)."""
         return self.send(data, 0 if self.gettimeout() is None else _MSG_DONTWAIT)
+
+    def fd_open(
+        self,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+        closefd: bool = True,
+    ) -> Any:
+        """``open(fileno(), ...)``, ``os.fdopen(fileno(), ...)``: the file ``io.open`` makes
+        of the TCP socket's descriptor, over the connection (:class:`DescriptorIO` in
+        ``FileIO``'s place, buffered and decoded as ``io.open`` does); closing it closes the
+        connection unless ``closefd`` is false, as closing that descriptor would."""
+        if (
+            not isinstance(mode, str)
+            or set(mode) - set("rwxabt+")
+            or len(set(mode)) != len(mode)
+            or sum(c in mode for c in "rwxa") != 1
+            or ("b" in mode and "t" in mode)
+        ):
+            raise ValueError(f"invalid mode: {mode!r}")
+        binary = "b" in mode
+        if binary and (encoding is not None or errors is not None or newline is not None):
+            raise ValueError("binary mode doesn't take an encoding, errors or newline argument")
+        if buffering == 0 and not binary:
+            raise ValueError("can't have unbuffered text I/O")
+        raw = DescriptorIO(self, "r" in mode or "+" in mode, bool(set(mode) & set("wxa+")), closefd)
+        if buffering == 0:
+            return raw
+        size = _io.DEFAULT_BUFFER_SIZE if buffering in (-1, 1) else buffering
+        buffered: Any
+        if raw.readable() and raw.writable():
+            buffered = _io.BufferedRandom(raw, size)
+        elif raw.readable():
+            buffered = _io.BufferedReader(raw, size)
+        else:
+            buffered = _io.BufferedWriter(raw, size)
+        if binary:
+            return buffered
+        text = _io.TextIOWrapper(buffered, encoding, errors, newline, buffering == 1)
+        setattr(text, "mode", mode)  # noqa: B010 (what io.open sets; typeshed: read-only)
+        return text
 
     def fd_readv(self, buffers: Any) -> int:
         """``os.readv(fileno(), buffers)``: what readv(2) gives on the TCP socket, the bytes of

@@ -1278,6 +1278,70 @@ def test_os_read_write_and_fionread_on_the_descriptor_act_on_the_connection(
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+FDOPEN_SERVER = r"""
+import os, socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+# the inetd/C idiom: files made of the socket's descriptor, text in, binary out
+rfile = os.fdopen(conn.fileno(), "r", encoding="utf-8", closefd=False)
+wfile = open(conn.fileno(), "wb", buffering=0, closefd=False)
+lines = 0
+for line in rfile:
+    if line == "END\n":
+        break
+    wfile.write(line.upper().encode())
+    lines += 1
+wfile.write(b"%d lines\n" % lines)
+rfile.close()
+wfile.close()
+raw = open(conn.fileno(), "wb")  # closefd: closing it closes the connection
+raw.write(b"last\n")
+raw.flush()
+print("SERVED", lines, raw.name == conn.fileno(), raw.raw.mode, flush=True)
+raw.close()
+"""
+
+FDOPEN_CLIENT = r"""
+import io, os, socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+out = open(sock.fileno(), "w", buffering=1, closefd=False)  # line-buffered text
+back = os.fdopen(sock.fileno(), "rb", closefd=False)
+for i in range(3000):
+    out.write(f"line {i} of some text\n")
+out.write("END\n")
+got = [back.readline() for _ in range(3001)]
+bad = [g for i, g in enumerate(got[:3000]) if g != f"LINE {i} OF SOME TEXT\n".encode()]
+assert not bad, bad[:3]
+assert got[3000] == b"3000 lines\n", got[3000]
+assert back.readline() == b"last\n"
+assert back.read() == b""  # the server's file closed the connection
+sock.settimeout(5)  # O_NONBLOCK: a file's read of nothing gives None, as FileIO's
+out.close()
+back.close()
+sock.close()
+print("FDOPEN OK", flush=True)
+"""
+
+
+def test_files_opened_on_the_descriptor_read_and_write_the_connection(
+    nocfg: PrivateSmcd,
+) -> None:
+    """``os.fdopen(sock.fileno())`` and ``open(sock.fileno())`` (text and binary, buffered,
+    line-buffered and unbuffered, ``closefd`` either way), run first on plain TCP (the
+    oracle), then under smc-run: unpatched, such a file read the channel eventfd's 8-byte
+    counter as data and then EOF, and what it wrote was lost. Now 3,000 lines go and come back
+    intact, and a file that owns the descriptor closes the connection with it."""
+    client, tout, terr = _talk_tcp(nocfg, FDOPEN_SERVER, FDOPEN_CLIENT)
+    assert client.stdout == "FDOPEN OK\n", ("tcp", client.stderr, terr)
+    assert tout == "SERVED 3000 True wb\n", ("tcp", tout, terr)
+    client, sout, serr = _talk(nocfg, FDOPEN_SERVER, FDOPEN_CLIENT)
+    assert client.returncode == 0 and client.stdout == "FDOPEN OK\n", (client.stderr, serr)
+    assert sout == "SERVED 3000 True wb\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 FCNTL_SERVER = r"""
 import socket
 lsock = socket.create_server(("127.0.0.1", 0))

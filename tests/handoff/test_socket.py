@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import os
 import random
 import selectors
@@ -1573,6 +1574,44 @@ def test_descriptor_calls_answer_as_on_a_tcp_socket(pair: tuple[Any, Any]) -> No
     assert call(b, "ioctl", termios.FIONREAD) == 0
     if isinstance(b, SmcSocket) and b.mode == "smcd":
         assert b.fd_ioctl(termios.TIOCGWINSZ) is None  # not a socket's: the eventfd's answer
+
+
+def test_a_file_on_the_descriptor_answers_as_on_a_tcp_socket(pair: tuple[Any, Any]) -> None:
+    """``fd_open`` (what smc-run gives ``open``/``os.fdopen`` of an SMC connection's number)
+    against ``io.open`` of a TCP socket's descriptor (``FileIO`` under it): text and binary
+    lines, an unbuffered read of a socket with a timeout that finds nothing (``None``:
+    O_NONBLOCK's EAGAIN), modes that are not a stream's refused alike, and a file that owns the
+    descriptor closing the connection."""
+    a, b = pair
+
+    def fopen(sock: Any, *args: Any, **kw: Any) -> Any:
+        if isinstance(sock, SmcSocket) and sock.mode == "smcd":
+            return sock.fd_open(*args, **kw)
+        return open(sock.fileno(), *args, **kw)
+
+    out = fopen(a, "w", 1, closefd=False)
+    text = fopen(b, "r", encoding="ascii", closefd=False)
+    out.write("one\ntwo\n")
+    assert text.readline() == "one\n" and text.readline() == "two\n"
+    assert text.mode == "r" and out.mode == "w"
+    raw = fopen(b, "rb", 0, closefd=False)
+    b.settimeout(2.0)
+    assert raw.read(10) is None
+    b.settimeout(None)
+    for bad in ("rw", "r+", "z"):  # no two of r/w/x/a; "+" wants a seekable stream
+        with pytest.raises((ValueError, io.UnsupportedOperation)):
+            fopen(b, bad, closefd=False)
+    with pytest.raises(ValueError):
+        fopen(b, "r", 0, closefd=False)  # unbuffered text
+    for f in (out, text, raw):
+        f.close()
+    owner = fopen(a, "wb")  # closefd: closing the file closes the descriptor
+    owner.write(b"last")
+    owner.close()
+    if not (isinstance(a, SmcSocket) and a.mode == "smcd"):
+        a.detach()  # its number is closed: the socket object must not close it again
+    assert recv_exactly(b, 4) == b"last"
+    assert b.recv(10) == b""  # the connection ended with the file
 
 
 def test_an_ioctl_answer_takes_the_forms_fcntl_returns() -> None:
