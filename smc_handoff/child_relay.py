@@ -54,7 +54,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff.socket import SmcSocket, by_fileno, connection_at, is_eventfd
+from smc_handoff.socket import SmcSocket, by_fileno, connection_at, eventfd_id, is_eventfd
 
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
@@ -100,25 +100,11 @@ def connection_of(obj: Any) -> SmcSocket | None:
                     return o
                 live.append((o, smc.channel.event_fd()))
     # Another number for the same eventfd (``os.dup(sock.fileno())``): the kernel's id of it.
-    ident = _eventfd_id(obj)
+    ident = eventfd_id(obj)
     if ident is not None:
         for o, fd in live:
-            if _eventfd_id(fd) == ident:
+            if eventfd_id(fd) == ident:
                 return o
-    return None
-
-
-def _eventfd_id(fd: int) -> bytes | None:
-    """The kernel's id of the eventfd behind ``fd``, the same for every copy of it (the
-    ``eventfd-id`` of ``/proc/self/fdinfo``, Linux 5.19 on; None before, or on error)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-            info = f.read()
-    except OSError:
-        return None
-    for line in info.splitlines():
-        if line.startswith(b"eventfd-id:"):
-            return line[11:].strip()
     return None
 
 

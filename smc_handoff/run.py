@@ -519,10 +519,13 @@ def _patch_fd_calls(fcntl: Any) -> None:
     number costs one dictionary look (an empty one while no SMC connection is open)."""
     if getattr(os.read, "_smc_fd", False):
         return
-    by_fd = _smc_socket.by_fileno
+    by_fd, copies = _smc_socket.by_fileno, _smc_socket.copies
+    copy_of = _smc_socket.copy_of
 
     def connection(fd: int) -> SmcSocket | None:
-        return connection_at(fd) if fd in by_fd else None
+        if fd in by_fd:
+            return connection_at(fd)
+        return copy_of(fd) if fd in copies else None
 
     def on_connection(real: Callable[..., Any], act: Callable[..., Any]) -> Any:
         """``real(fd, *args)``, or ``act(connection, *args)`` for an SMC connection's number."""
@@ -558,7 +561,27 @@ def _patch_fd_calls(fcntl: Any) -> None:
             value = sock.fd_fcntl(cmd, arg)
             if value is not None:
                 return value
+            if cmd in _DUPFD:
+                return note_copy(fcntl_call(fd, cmd, arg), sock)
         return fcntl_call(fd, cmd, arg)
+
+    def note_copy(new: int, sock: SmcSocket) -> int:
+        copies[new] = weakref.ref(sock)
+        return new
+
+    real_dup, real_close = os.dup, os.close
+
+    @functools.wraps(real_dup)
+    def smc_dup(fd: int, /) -> int:
+        if by_fd and (sock := connection(fd)) is not None:
+            return note_copy(real_dup(fd), sock)
+        return real_dup(fd)
+
+    @functools.wraps(real_close)
+    def smc_close(fd: int, /) -> None:
+        if copies:
+            copies.pop(fd, None)
+        real_close(fd)
 
     real_open = io.open
 
@@ -574,12 +597,16 @@ def _patch_fd_calls(fcntl: Any) -> None:
         opener: Any = None,
     ) -> Any:
         if by_fd and type(file) is int and opener is None and (sock := connection(file)):
-            return sock.fd_open(mode, buffering, encoding, errors, newline, closefd)
+            copy = None if file in by_fd else file
+            return sock.fd_open(mode, buffering, encoding, errors, newline, closefd, copy)
         return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
 
     # open(fd) and os.fdopen(fd) (which calls io.open): unpatched, their reads returned the
     # eventfd's counter as data, then EOF, and their writes were lost
     io.open = builtins.open = smc_open
+    # os.dup/fcntl(F_DUPFD) of the number: a copy that reads, writes and opens as the number
+    os.dup = smc_dup
+    os.close = smc_close  # type: ignore[assignment]  # (typeshed: os.close's name is "fd")
     os.read = on_connection(os.read, SmcSocket.fd_read)
     os.write = on_connection(os.write, SmcSocket.fd_write)
     os.readv = on_connection(os.readv, SmcSocket.fd_readv)
@@ -588,6 +615,10 @@ def _patch_fd_calls(fcntl: Any) -> None:
     os.get_blocking = on_connection(os.get_blocking, SmcSocket.fd_get_blocking)
     os.set_blocking = on_connection(os.set_blocking, SmcSocket.fd_set_blocking)
     fcntl.ioctl, fcntl.fcntl = smc_ioctl, smc_fcntl
+
+
+_DUPFD = (fcntl.F_DUPFD, fcntl.F_DUPFD_CLOEXEC)
+"""``fcntl`` commands that copy a descriptor (``os.dup``'s way)."""
 
 
 def _ioctl_answer(value: int, arg: Any, mutate_flag: bool) -> Any:

@@ -150,6 +150,41 @@ def is_eventfd(fd: int) -> bool:
         return False
 
 
+def eventfd_id(fd: int) -> bytes | None:
+    """The kernel's id of the eventfd behind ``fd``, the same for every copy of it (the
+    ``eventfd-id`` of ``/proc/self/fdinfo``, Linux 5.19 on; None before, or on error)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            info = f.read()
+    except OSError:
+        return None
+    for line in info.splitlines():
+        if line.startswith(b"eventfd-id:"):
+            return line[11:].strip()
+    return None
+
+
+copies: dict[int, weakref.ref[SmcSocket]] = {}
+"""Other numbers for SMC connections' eventfds, made by ``os.dup``/``fcntl(F_DUPFD)`` under
+smc-run (:mod:`smc_handoff.run`): a read, a write or a file through one acts on the connection,
+as through a copy of a TCP socket's descriptor. Each use checks that the number still is a copy
+of that eventfd (:func:`copy_of`): one closed behind our back and taken again is not."""
+
+
+def copy_of(fd: int) -> SmcSocket | None:
+    """The live SMC connection whose eventfd ``fd`` (in :data:`copies`) is a copy of, or None
+    (and ``fd`` forgotten)."""
+    ref = copies.get(fd)
+    sock = ref() if ref is not None else None
+    smc = sock._smc if sock is not None else None
+    if smc is not None and not smc.channel.closed:
+        ident = eventfd_id(fd)
+        if (ident == eventfd_id(smc.fd)) if ident is not None else is_eventfd(fd):
+            return sock
+    copies.pop(fd, None)
+    return None
+
+
 by_fileno: dict[int, list[weakref.ref[SmcSocket]]] = {}
 """The SMC connections of this process by their ``fileno()`` (the channel's eventfd number),
 for the calls that take a bare number: ``os.read``/``os.write``/``fcntl.ioctl`` (smc-run's
@@ -433,12 +468,15 @@ class DescriptorIO(_io.RawIOBase):
     and write(2)'s waits (:meth:`SmcSocket.fd_read`), ``None`` where they would say
     ``EAGAIN``, and ``close()`` closing the connection unless ``closefd`` is false."""
 
-    def __init__(self, sock: SmcSocket, reading: bool, writing: bool, closefd: bool) -> None:
+    def __init__(
+        self, sock: SmcSocket, reading: bool, writing: bool, closefd: bool, copy: int | None
+    ) -> None:
         super().__init__()
         self._sock = sock
         self._reading, self._writing = reading, writing
         self.closefd = closefd
-        self.name = sock.fileno()
+        self._copy = copy  # a copy of the number (os.dup): closing the file closes only it
+        self.name = sock.fileno() if copy is None else copy
         self.mode = ("rb+" if writing else "rb") if reading else "wb"
 
     def _flags(self) -> int:
@@ -454,7 +492,7 @@ class DescriptorIO(_io.RawIOBase):
 
     def fileno(self) -> int:
         self._checkClosed()
-        return self._sock.fileno()
+        return int(self.name)
 
     def readinto(self, buffer: Any) -> int | None:
         self._checkClosed()
@@ -480,7 +518,9 @@ class DescriptorIO(_io.RawIOBase):
         try:
             super().close()
         finally:
-            if self.closefd:
+            if self.closefd and self._copy is not None:
+                os.close(self._copy)  # (smc-run's os.close forgets the copy)
+            elif self.closefd:
                 self._sock.close()
 
 
@@ -1095,11 +1135,13 @@ class SmcSocket(_BaseSocket):
         errors: str | None = None,
         newline: str | None = None,
         closefd: bool = True,
+        copy: int | None = None,
     ) -> Any:
         """``open(fileno(), ...)``, ``os.fdopen(fileno(), ...)``: the file ``io.open`` makes
         of the TCP socket's descriptor, over the connection (:class:`DescriptorIO` in
         ``FileIO``'s place, buffered and decoded as ``io.open`` does); closing it closes the
-        connection unless ``closefd`` is false, as closing that descriptor would."""
+        connection unless ``closefd`` is false, as closing that descriptor would. ``copy``:
+        the file is of that copy of the number (:data:`copies`), which its close closes."""
         if (
             not isinstance(mode, str)
             or set(mode) - set("rwxabt+")
@@ -1113,7 +1155,8 @@ class SmcSocket(_BaseSocket):
             raise ValueError("binary mode doesn't take an encoding, errors or newline argument")
         if buffering == 0 and not binary:
             raise ValueError("can't have unbuffered text I/O")
-        raw = DescriptorIO(self, "r" in mode or "+" in mode, bool(set(mode) & set("wxa+")), closefd)
+        reading, writing = "r" in mode or "+" in mode, bool(set(mode) & set("wxa+"))
+        raw = DescriptorIO(self, reading, writing, closefd, copy)
         if buffering == 0:
             return raw
         size = _io.DEFAULT_BUFFER_SIZE if buffering in (-1, 1) else buffering

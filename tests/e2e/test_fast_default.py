@@ -1342,6 +1342,58 @@ def test_files_opened_on_the_descriptor_read_and_write_the_connection(
     assert _modes(serr) == [("accept", "smcd", None)], serr
 
 
+DUP_SERVER = r"""
+import fcntl, os, socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+conn, _ = lsock.accept()
+d = os.dup(conn.fileno())  # another number for the descriptor: reads the same stream
+first = os.read(d, 5)
+f = os.fdopen(os.dup(conn.fileno()), "rb")  # a file that owns only its copy
+line = f.readline()
+f.close()  # closes that copy: the connection goes on
+e = fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD_CLOEXEC, 200)
+conn.sendall(b"still open\n")
+more = os.read(e, 4)
+os.close(e)
+os.close(d)
+r, w = os.pipe()  # (takes the numbers just closed)
+os.write(w, b"pipe")
+piped = os.read(r, 4)  # the pipe's, not the connection's: the copy was forgotten
+print(first, line, e >= 200, more, piped, r in (d, e) or w in (d, e), flush=True)
+conn.close()
+"""
+
+DUP_CLIENT = r"""
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.sendall(b"hello")
+sock.sendall(b"line two\n")
+got = b""
+while not got.endswith(b"\n"):
+    got += sock.recv(100)
+sock.sendall(b"tail")
+assert sock.recv(10) == b""
+print(got.decode().strip(), flush=True)
+"""
+
+
+def test_copies_of_the_descriptor_read_and_write_the_connection(nocfg: PrivateSmcd) -> None:
+    """``os.dup``/``fcntl(F_DUPFD_CLOEXEC)`` of a connection's ``fileno()`` and
+    ``os.fdopen(os.dup(...))``, first on plain TCP (the oracle), then under smc-run: a read
+    through a copy reads the stream (it read the channel eventfd's 8-byte counter as data, and
+    a file of a copy failed with EINVAL), closing a copy leaves the connection open, and a
+    number that was a copy and now is a pipe reads the pipe."""
+    client, tout, terr = _talk_tcp(nocfg, DUP_SERVER, DUP_CLIENT)
+    expected = "b'hello' b'line two\\n' True b'tail' b'pipe' True\n"
+    assert client.stdout == "still open\n" and tout == expected, ("tcp", tout, terr)
+    client, sout, serr = _talk(nocfg, DUP_SERVER, DUP_CLIENT)
+    assert client.returncode == 0 and client.stdout == "still open\n", (client.stderr, serr)
+    assert sout == expected, (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)], client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)], serr
+
+
 FCNTL_SERVER = r"""
 import socket
 lsock = socket.create_server(("127.0.0.1", 0))
