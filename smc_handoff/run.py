@@ -613,6 +613,7 @@ def _patch_fd_calls(fcntl: Any) -> None:
     os.writev = on_connection(os.writev, SmcSocket.fd_writev)
     os.sendfile = on_connection(os.sendfile, SmcSocket.fd_sendfile)
     os.get_blocking = on_connection(os.get_blocking, SmcSocket.fd_get_blocking)
+    os.fstat = on_connection(os.fstat, SmcSocket.fd_fstat)
     os.set_blocking = on_connection(os.set_blocking, SmcSocket.fd_set_blocking)
     fcntl.ioctl, fcntl.fcntl = smc_ioctl, smc_fcntl
 

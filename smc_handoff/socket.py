@@ -679,6 +679,10 @@ class SmcSocket(_BaseSocket):
         smc.fd_nonblock = bool(arg & os.O_NONBLOCK)
         return result
 
+    def fd_fstat(self) -> os.stat_result:
+        """``os.fstat(fileno())``: the TCP socket's (``S_ISSOCK``), not the eventfd's."""
+        return os.fstat(_BaseSocket.fileno(self))
+
     def fd_get_blocking(self) -> bool:
         """``os.get_blocking(fileno())``: the TCP socket's mode (see :meth:`fd_fcntl`)."""
         flags = self.fd_fcntl(_F_GETFL, 0)

@@ -1343,11 +1343,12 @@ def test_files_opened_on_the_descriptor_read_and_write_the_connection(
 
 
 DUP_SERVER = r"""
-import fcntl, os, socket
+import fcntl, os, socket, stat
 lsock = socket.create_server(("127.0.0.1", 0))
 print("PORT", lsock.getsockname()[1], flush=True)
 conn, _ = lsock.accept()
 d = os.dup(conn.fileno())  # another number for the descriptor: reads the same stream
+socky = all(stat.S_ISSOCK(os.fstat(n).st_mode) for n in (conn.fileno(), d))
 first = os.read(d, 5)
 f = os.fdopen(os.dup(conn.fileno()), "rb")  # a file that owns only its copy
 line = f.readline()
@@ -1360,7 +1361,7 @@ os.close(d)
 r, w = os.pipe()  # (takes the numbers just closed)
 os.write(w, b"pipe")
 piped = os.read(r, 4)  # the pipe's, not the connection's: the copy was forgotten
-print(first, line, e >= 200, more, piped, r in (d, e) or w in (d, e), flush=True)
+print(first, line, e >= 200, more, piped, r in (d, e) or w in (d, e), socky, flush=True)
 conn.close()
 """
 
@@ -1382,10 +1383,11 @@ def test_copies_of_the_descriptor_read_and_write_the_connection(nocfg: PrivateSm
     """``os.dup``/``fcntl(F_DUPFD_CLOEXEC)`` of a connection's ``fileno()`` and
     ``os.fdopen(os.dup(...))``, first on plain TCP (the oracle), then under smc-run: a read
     through a copy reads the stream (it read the channel eventfd's 8-byte counter as data, and
-    a file of a copy failed with EINVAL), closing a copy leaves the connection open, and a
-    number that was a copy and now is a pipe reads the pipe."""
+    a file of a copy failed with EINVAL), closing a copy leaves the connection open, a number
+    that was a copy and now is a pipe reads the pipe, and ``os.fstat`` of the number or a copy
+    says socket (it said the eventfd's anonymous inode)."""
     client, tout, terr = _talk_tcp(nocfg, DUP_SERVER, DUP_CLIENT)
-    expected = "b'hello' b'line two\\n' True b'tail' b'pipe' True\n"
+    expected = "b'hello' b'line two\\n' True b'tail' b'pipe' True True\n"
     assert client.stdout == "still open\n" and tout == expected, ("tcp", tout, terr)
     client, sout, serr = _talk(nocfg, DUP_SERVER, DUP_CLIENT)
     assert client.returncode == 0 and client.stdout == "still open\n", (client.stderr, serr)
