@@ -98,8 +98,8 @@ class ChannelTls:
 
         The records are peeked, up to :data:`_BATCH` bytes, and only those given to OpenSSL
         are consumed (``MSG_TRUNC``: without a second copy). What may go is what OpenSSL
-        would read from a descriptor: the next record, or, for a read of ``len`` bytes
-        (:attr:`_budget`), the records whose bytes fit in ``len`` (at least one), which
+        would read from a descriptor: the next record, or, for a read of ``size`` bytes
+        (:attr:`_budget`), the records whose bytes fit in ``size`` (at least one), which
         :meth:`read` then decrypts in the same call. So a stream of full records costs one
         read out of the ring per batch instead of two (header, body) per record, and no
         record stays in OpenSSL's memory buffer past the call, where ``select``/``poll``/
@@ -187,30 +187,31 @@ class ChannelTls:
     def do_handshake(self) -> None:
         self._run(self._obj.do_handshake)
 
-    def read(self, len: int = 1024, buffer: Any = None) -> Any:
-        """Up to ``len`` bytes: the first record's as OpenSSL reads it, then those of the
+    def read(self, size: int = 1024, buffer: Any = None) -> Any:
+        """Up to ``size`` bytes: the first record's as OpenSSL reads it, then those of the
         other records :meth:`_fill` took for this read (OpenSSL returns one record's at a
-        time), so that none stays behind in its memory buffer."""
+        time), so that none stays behind in its memory buffer. (``SSLSocket`` passes both
+        positionally, as ``len`` and ``buffer``.)"""
         if self._unsent:
             self._flush()
-        self._budget = len
+        self._budget = size
         try:
             if buffer is None:
-                data: bytes = self._run(self._obj.read, len)
+                data: bytes = self._run(self._obj.read, size)
                 if not (data and self._in.pending):
                     return data
                 parts = [data]
 
                 def more(k: int, _: int) -> int:
                     parts.append(self._obj.read(k))
-                    return parts[-1].__len__()
+                    return len(parts[-1])
 
-                self._drain(len - data.__len__(), more)
+                self._drain(size - len(data), more)
                 return b"".join(parts)
-            n: int = self._run(self._obj.read, len, buffer)
-            if n and self._in.pending and n < len:
-                view = memoryview(buffer).cast("B")[n:len]
-                n += self._drain(view.__len__(), lambda k, at: self._obj.read(k, view[at:]))
+            n: int = self._run(self._obj.read, size, buffer)
+            if n and self._in.pending and n < size:
+                view = memoryview(buffer).cast("B")[n:size]
+                n += self._drain(len(view), lambda k, at: self._obj.read(k, view[at:]))
             return n
         finally:
             self._budget = 0
