@@ -175,7 +175,6 @@ import contextlib
 import functools
 import os
 import socket
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -450,6 +449,8 @@ def _candidates(override: str, xdg: str, uid: int) -> tuple[Path, ...]:
     if xdg.startswith("/"):
         user = Path(xdg) / "smcd" / "handoff.sock"
     else:
+        import tempfile  # (here: ~2 ms of every smc-run program's start-up otherwise)
+
         user = Path(tempfile.gettempdir()) / f"smcd-{uid}" / "handoff.sock"
     return (user,) if user == SYSTEM_HANDOFF_SOCKET else (user, SYSTEM_HANDOFF_SOCKET)
 
