@@ -9,7 +9,6 @@ bare interpreter, per program start).
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -102,6 +101,8 @@ def command_line(argv: list[str]) -> tuple[list[str], bool, bool] | str:
     program = args[0]
     if os.path.isfile(program) and _is_python_script(program):
         return [sys.executable, *args], verbose, debug
+    import shutil  # (here: every smc-run program imports this module through its bootstrap)
+
     if shutil.which(program) is None:
         return f"smc-run: {program}: command not found"
     return args, verbose, debug
