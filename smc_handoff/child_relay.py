@@ -30,9 +30,10 @@ inetd-style parent closes its copy right after starting the child). The ways:
   (``http.server``'s CGI handler): ``os.dup2`` copies the relay's socket;
 - a program ``exec``ed with ``fileno()`` made inheritable (``os.set_inheritable``), its number
   passed on the command line or in the environment: it finds the relay's socket there;
-- ``Popen(..., pass_fds=[conn.fileno()])``: the child finds the relay's socket at that very
-  number (for the length of ``Popen``, the number is moved onto the socket and back; the
-  caller's copy is the relay's by then, and uses no descriptor until it is closed);
+- ``Popen(..., pass_fds=[conn.fileno()])``, or ``close_fds=False`` with ``fileno()`` made
+  inheritable: the child finds the relay's socket at that very number (for the length of
+  ``Popen``, the number is moved onto the socket and back; the caller's copy is the relay's
+  by then, and uses no descriptor until it is closed);
 - ``SCM_RIGHTS`` (``socket.send_fds``, ``multiprocessing``'s handle passing, any ``sendmsg``
   with rights on a Unix socket) and pickling by ``multiprocessing`` (a ``Pool`` task's
   argument, a ``Queue``, a spawned ``Process``'s arguments: it passes a socket's descriptor);
@@ -229,8 +230,9 @@ def install(subprocess: Any) -> None:
     if get_handles is None or getattr(get_handles, "_smc_relay", False):
         return
     init = popen.__init__
-    # pass_fds's place among the positional arguments (self not counted)
+    # pass_fds's and close_fds's places among the positional arguments (self not counted)
     pass_fds_arg = init.__code__.co_varnames.index("pass_fds") - 1
+    close_fds_arg = init.__code__.co_varnames.index("close_fds") - 1
 
     def smc_get_handles(self: Any, stdin: Any, stdout: Any, stderr: Any) -> Any:
         def swap(stream: Any) -> Any:
@@ -241,26 +243,39 @@ def install(subprocess: Any) -> None:
 
     @functools.wraps(init)
     def smc_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        moved: list[tuple[int, int]] = []  # (the pass_fds number, where its eventfd waits)
+        moved: list[tuple[int, int, bool]] = []  # (number, where its eventfd waits, inheritable)
         try:
             pass_fds = kwargs.get("pass_fds", args[pass_fds_arg] if len(args) > pass_fds_arg
                                   else ())  # fmt: skip
-            for fd in dict.fromkeys(pass_fds or ()):
+            close_fds = kwargs.get("close_fds", args[close_fds_arg] if len(args) > close_fds_arg
+                                   else True)  # fmt: skip
+            given = list(pass_fds or ())
+            if not close_fds:  # every inheritable descriptor goes: an SMC connection's too
+                given += [fd for fd in list(by_fileno) if _inheritable(fd)]
+            for fd in dict.fromkeys(given):
                 sock = connection_of(fd)
                 if sock is None:
                     continue
                 relay = shared_relay(sock)
-                moved.append((fd, os.dup(fd)))
-                _raw_dup2(relay, fd, inheritable=False)  # Popen makes pass_fds inheritable
+                moved.append((fd, os.dup(fd), _inheritable(fd)))
+                # Popen makes pass_fds inheritable; with close_fds false, the child inherits it
+                _raw_dup2(relay, fd, inheritable=fd not in (pass_fds or ()))
             init(self, *args, **kwargs)
         finally:
-            for fd, saved in moved:  # the caller's number is its eventfd again
-                _raw_dup2(saved, fd, inheritable=False)
+            for fd, saved, inheritable in moved:  # the caller's number is its eventfd again
+                _raw_dup2(saved, fd, inheritable=inheritable)
                 os.close(saved)
 
     smc_get_handles._smc_relay = True  # type: ignore[attr-defined]
     popen._get_handles = smc_get_handles
     popen.__init__ = smc_init
+
+
+def _inheritable(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:
+        return False
 
 
 def _raw_dup2(fd: int, fd2: int, inheritable: bool) -> None:

@@ -1165,7 +1165,14 @@ child = subprocess.Popen([sys.executable, "-c", ECHO, str(fd)], pass_fds=[fd], s
 print("AFTER POPEN", fd == conn.fileno() and is_eventfd(fd), flush=True)
 rc = child.wait()  # our copy holds the connection on meanwhile, as a TCP socket's would
 conn.close()
-print("RC", rc, os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
+conn, _ = lsock.accept()  # 4: a child that inherits the descriptor (close_fds=False)
+fd = conn.fileno()
+os.set_inheritable(fd, True)
+child = subprocess.Popen([sys.executable, "-c", ECHO, str(fd)], close_fds=False)
+print("INHERITED", os.get_inheritable(fd) and is_eventfd(fd), flush=True)
+rc4 = child.wait()
+conn.close()
+print("RC", rc, rc4, os.waitstatus_to_exitcode(os.wait()[1]), flush=True)
 """
 
 PASSING_CLIENT = r"""
@@ -1192,15 +1199,16 @@ print("PASSING OK", flush=True)
 def test_a_connection_passed_to_another_process_works_there(nocfg: PrivateSmcd) -> None:
     """An accepted SMC connection passed on as TCP sockets are: with SCM_RIGHTS
     (``socket.send_fds``), with ``multiprocessing``'s handle passing, and in a child's
-    ``pass_fds`` (and as its stderr: one relay serves both). The receiver used to get the
+    ``pass_fds`` (and as its stderr: one relay serves both), and inherited by a child started
+    with ``close_fds=False`` once made inheritable. The receiver used to get the
     channel's eventfd, useless as a socket; under smc-run it gets a relay's socket (the pass_fds
     child at the very number it was given, which is the parent's eventfd again once Popen
     returns), and 1 MB echoes intact both ways."""
-    client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT, 3)
+    client, sout, serr = _talk(nocfg, PASSING_SERVER, PASSING_CLIENT, 4)
     assert client.returncode == 0 and client.stdout == "PASSING OK\n", (client.stderr, serr)
-    assert sout == "AFTER POPEN True\nRC 0 0\n", (sout, serr)
-    assert _modes(client.stderr) == [("connect", "smcd", None)] * 3, client.stderr
-    assert _modes(serr) == [("accept", "smcd", None)] * 3, serr
+    assert sout == "AFTER POPEN True\nINHERITED True\nRC 0 0 0\n", (sout, serr)
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 4, client.stderr
+    assert _modes(serr) == [("accept", "smcd", None)] * 4, serr
     _relays_end("passing-server-marker")
 
 
