@@ -1737,6 +1737,8 @@ if __name__ == "__main__":
     conn.close()
     spawned.join()
     print("SPAWN", spawned.exitcode, flush=True)
+    import shutil
+    shutil.rmtree(home)  # (the module it made for the spawned child)
 """
 
 
