@@ -658,6 +658,8 @@ class Channel(ChannelBase):
         if pos >= L:  # across the ring's end: once a lap
             pos -= L
             self._rx_new_wrap((self._rx_wrap + 1) & 0xFFFF)
+        # The publication _copy_out makes after each piece, once (written out there and in
+        # recv_fast rather than called: those are the bulk and ping-pong paths).
         word = self._rx_wbits | pos << COUNT_SHIFT
         self._rx_empty_word = word
         self._rx_pos = pos

@@ -55,7 +55,15 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff.socket import SmcSocket, by_fileno, connection_at, eventfd_id, is_eventfd
+from smc_handoff.socket import (
+    SmcSocket,
+    by_fileno,
+    connection_at,
+    copies,
+    copy_of,
+    eventfd_id,
+    is_eventfd,
+)
 
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel
@@ -90,8 +98,12 @@ def connection_of(obj: Any) -> SmcSocket | None:
     sock = connection_at(obj)  # the number itself: the index
     if sock is not None and sock._smc is not None and not sock._smc.channel.closed:
         return sock
-    # Rare (a copy of the number, ``os.dup``): look through the live sockets rather than keep
-    # an index by eventfd id on every handoff's path.
+    if obj in copies:  # a copy smc-run saw made (os.dup, F_DUPFD): checked, no search
+        sock = copy_of(obj)
+        if sock is not None:
+            return sock
+    # Rare (a copy made where smc-run did not see it): look through the live sockets rather
+    # than keep an index by eventfd id on every handoff's path.
     live = []
     for o in gc.get_objects():
         if isinstance(o, SmcSocket):
