@@ -183,6 +183,7 @@ def client(path: str, port: int, n: int, warmup: int) -> None:
     for i in range(warmup + n):
         if i == warmup:
             start = time.perf_counter()
+            cpu = time.process_time_ns()
         t0 = time.perf_counter_ns()
         ch = _Channel(path, socket.create_connection(("127.0.0.1", port)), b"C")
         if i >= warmup:
@@ -194,7 +195,9 @@ def client(path: str, port: int, n: int, warmup: int) -> None:
             raise FloorError("the echo differs")
         ch.close()
     elapsed = time.perf_counter() - start
-    print(json.dumps({"rate": n / elapsed, "connect_p50_us": statistics.median(times) / 1e3}))
+    cpu_us = (time.process_time_ns() - cpu) / n / 1e3
+    print(json.dumps({"rate": n / elapsed, "connect_p50_us": statistics.median(times) / 1e3,
+                      "cpu_us": cpu_us}))  # fmt: skip
 
 
 def _cpu_ns(pid: int) -> int:
@@ -203,9 +206,10 @@ def _cpu_ns(pid: int) -> int:
 
 def measure(n: int, warmup: int, repeats: int) -> dict[str, float]:
     """Medians of ``repeats`` runs of ``n`` connections one at a time (after ``warmup``):
-    connections/s, connect p50 in us, and the broker's CPU per connection in us."""
+    connections/s, connect p50 in us, the broker's CPU per connection in us, and the client's
+    and the server's together."""
     me = [sys.executable, os.path.abspath(__file__)]
-    runs: list[tuple[float, float, float]] = []
+    runs: list[tuple[float, float, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="smcd-floor-") as tmp:
         path = os.path.join(tmp, "h.sock")
         procs = [subprocess.Popen([*me, "broker", path], stdout=subprocess.PIPE, text=True)]
@@ -218,22 +222,23 @@ def measure(n: int, warmup: int, repeats: int) -> dict[str, float]:
             assert srv.stdout is not None
             port = srv.stdout.readline().split()[1]
             for _ in range(repeats):
-                before = _cpu_ns(procs[0].pid)
+                before, served = _cpu_ns(procs[0].pid), _cpu_ns(srv.pid)
                 out = subprocess.run([*me, "client", path, port, str(n), str(warmup)],
                                      capture_output=True, text=True, timeout=120)  # fmt: skip
                 if out.returncode != 0:
                     raise FloorError(f"the client failed: {out.stderr.strip()[-300:]}")
                 spent = (_cpu_ns(procs[0].pid) - before) / (n + warmup) / 1e3
+                served = (_cpu_ns(srv.pid) - served) / (n + warmup) / 1e3
                 r = json.loads(out.stdout.splitlines()[-1])
-                runs.append((r["rate"], r["connect_p50_us"], spent))
+                runs.append((r["rate"], r["connect_p50_us"], spent, r["cpu_us"] + served))
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
             raise FloorError(str(e)) from e
         finally:
             for p in procs:
                 p.kill()
                 p.wait()
-    rate, p50, cpu = (statistics.median(x) for x in zip(*runs, strict=True))
-    return {"conns_floor": rate, "connect_floor": p50, "floor_cpu": cpu}
+    rate, p50, cpu, apps = (statistics.median(x) for x in zip(*runs, strict=True))
+    return {"conns_floor": rate, "connect_floor": p50, "floor_cpu": cpu, "floor_apps_cpu": apps}
 
 
 if __name__ == "__main__":

@@ -130,6 +130,27 @@ def cpu_above(bound: str, limit_us: float) -> Callable[[UserResults], str | None
     return limit
 
 
+def rate_below(bound: str, limit: float) -> Callable[[UserResults], str | None]:
+    """ "CPU allows N/s" when the CPU the chain's processes spend per connection, shared out
+    over this machine's CPUs without a gap, allows fewer than ``limit`` connections/s."""
+
+    def text(res: UserResults) -> str | None:
+        b = _get(res, "bound", bound)
+        return None if b is None or b >= limit else f"CPU allows {b:.0f}/s"
+
+    return text
+
+
+def _each(
+    *limits: Callable[[UserResults], str | None],
+) -> Callable[[UserResults], str | None]:
+    def text(res: UserResults) -> str | None:
+        found = [t for limit in limits if (t := limit(res))]
+        return "; ".join(found) if found else None
+
+    return text
+
+
 def _all(*oks: Callable[[UserResults], bool]) -> Callable[[UserResults], bool]:
     return lambda res: all(ok(res) for ok in oks)
 
@@ -140,7 +161,7 @@ PY_BOUNDS = (("py2", "two CPUs"), ("py1", "one CPU"))
 """The Python echo's bounds of a round trip (bench/_rtt_ceiling.py): key suffix, placement."""
 
 
-def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
+def rows(idle: int, concurrency: int, stride: int, cpus: int = 2) -> tuple[URow, ...]:
     out = [
         URow(
             "bulk, 64 KiB sendall, receiver only reads",
@@ -208,7 +229,11 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             "connections/s, one at a time",
             "conns_1",
             "1/s",
-            check=Check(">= 1500/s", at_least("conns_1", 1500), cpu_above("smcd_cpu", 1e6 / 1500)),
+            check=Check(
+                ">= 1500/s",
+                at_least("conns_1", 1500),
+                _each(cpu_above("smcd_cpu", 1e6 / 1500), rate_below("cpu_rate", 1500)),
+            ),
         ),
         URow(
             "setup p50 (connect + first send), one at a time",
@@ -216,10 +241,22 @@ def rows(idle: int, concurrency: int, stride: int) -> tuple[URow, ...]:
             "us",
             check=Check("<= 500 us", at_most("connect_p50", 500), cpu_above("smcd_cpu", 500)),
         ),
+        URow("  client's CPU per connection", "cpu_client", "us"),
+        URow("  echo server's CPU per connection", "cpu_server", "us"),
         URow("  bound: smcd CPU per connection", "smcd_cpu", "us", bound=True),
+        URow("  bound: CPU per connection, smcd + client + server", "chain_cpu", "us", bound=True),
+        URow(
+            f"  bound: connections/s that CPU allows on {cpus} CPUs", "cpu_rate", "1/s", bound=True
+        ),
         URow("  bound: minimal Python handoff chain", "conns_floor", "1/s", bound=True),
         URow("  bound: minimal Python handoff chain, p50", "connect_floor", "us", bound=True),
         URow("  bound: its broker's CPU per connection", "floor_cpu", "us", bound=True),
+        URow(
+            "  bound: its client's + server's CPU per connection",
+            "floor_apps_cpu",
+            "us",
+            bound=True,
+        ),
         URow(f"connections/s, {concurrency} at a time", "conns_n", "1/s"),
         URow(
             f"memory, {idle:,} idle connections",

@@ -67,7 +67,7 @@ from netns_bridge import (  # noqa: E402
     print_netns_rows,
     run_netns_rows,
 )
-from userview import PLANS, USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
+from userview import CPUS, PLANS, USER_FULL, USER_QUICK, UserPlan, UserView  # noqa: E402
 
 from smcd_daemon.demo import DaemonStartError, PrivateSmcd  # noqa: E402
 
@@ -392,7 +392,7 @@ def run_user_view(
 
 
 def user_rows(plan: UserPlan) -> tuple[_usertable.URow, ...]:
-    return _usertable.rows(plan.idle, plan.concurrency, plan.stride)
+    return _usertable.rows(plan.idle, plan.concurrency, plan.stride, CPUS)
 
 
 def user_complete(view: UserView) -> bool:

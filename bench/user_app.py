@@ -26,8 +26,9 @@ Clients:
   tlsrr PORT SIZE ROUNDS WARMUP    the same over TLS (``ssl`` wrapping the connection)
   tlssend PORT WARMUP TOTAL WRITE  send over TLS
   conns PORT N WARMUP PROCS        N connections (connect, 1-byte echo, close) from PROCS
-                                   processes; connections/s and the setup p50 in us (connect
-                                   and the first sendall())
+                                   processes; connections/s, the setup p50 in us (connect
+                                   and the first sendall()) and the client processes' CPU
+                                   per connection in us
   open PORT N                      open N connections, print ``OPEN``, wait for stdin EOF
   bound TOTAL RECV STRIDE          the sink's loop reading from memory: its own bound in bytes/s
 """
@@ -283,9 +284,11 @@ def conns(port: int, n: int, warmup: int, procs: int) -> None:
             os.close(wr)
             os.read(rd, 1)  # start together
             mine: list[int] = []
+            cpu = time.process_time_ns()
             for _ in range(per):
                 _one(port, mine)
-            os.write(out_w, json.dumps(mine).encode() + b"\n")
+            cpu = time.process_time_ns() - cpu  # this process's CPU for its connections
+            os.write(out_w, json.dumps([cpu, mine]).encode() + b"\n")
             os._exit(0)
         pids.append(pid)
     os.close(rd)
@@ -296,10 +299,13 @@ def conns(port: int, n: int, warmup: int, procs: int) -> None:
     failed = sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids)
     elapsed = time.perf_counter() - t0
     with os.fdopen(out_r) as f:
-        samples = [t for line in f for t in json.loads(line)]
+        reports = [json.loads(line) for line in f]
     if failed:
         raise SystemExit(f"{failed} of {procs} client processes failed")
-    print(json.dumps({"rate": per * procs / elapsed, "connect_p50_us": _pct(samples, 50) / 1e3}))
+    samples = [t for _, mine in reports for t in mine]
+    cpu_us = sum(cpu for cpu, _ in reports) / (per * procs) / 1e3
+    print(json.dumps({"rate": per * procs / elapsed, "connect_p50_us": _pct(samples, 50) / 1e3,
+                      "cpu_us": cpu_us}))  # fmt: skip
 
 
 def open_many(port: int, n: int) -> None:

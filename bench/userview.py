@@ -51,6 +51,8 @@ HERE = Path(__file__).resolve().parent
 APP = HERE / "user_app.py"
 TIMEOUT = 300.0
 KINDS = ("tcp", "smc")
+CPUS = len(os.sched_getaffinity(0))
+"""The CPUs this run may use: what a connection's CPU time is shared out over."""
 
 
 DEFAULT_RING = BuffersConfig().default_dmb_size - CDC_HEADER_LEN
@@ -365,18 +367,27 @@ class UserView:
 
         return once
 
-    def conns(self, procs: int) -> Callable[[str], tuple[float, float]]:
+    def conns(self, procs: int) -> Callable[[str], tuple[float, ...]]:
+        """Connections/s and the setup p50; one at a time (``procs`` 1) also the CPU per
+        connection of the client and of the echo server (and of smcd, :attr:`smcd_cpu`)."""
         p = self.plan
 
-        def once(kind: str) -> tuple[float, float]:
-            port = self.app(kind, "echo", procs).port()
+        def once(kind: str) -> tuple[float, ...]:
+            server = self.app(kind, "echo", procs)
+            port = server.port()
             watch = kind == "smc" and procs == 1 and self.smcd_pid is not None
             before = cpu_ns(self.smcd_pid) if watch and self.smcd_pid else 0
+            served = cpu_ns(server.pid)
             r = self.app(kind, "conns", port, p.conns, p.conns_warmup, procs).result()
+            served = cpu_ns(server.pid) - served
             if watch and self.smcd_pid:
                 spent = cpu_ns(self.smcd_pid) - before
                 self.smcd_cpu.append(spent / (p.conns + p.conns_warmup) / 1e3)
-            return r["rate"], r["connect_p50_us"]
+            if procs != 1:
+                return r["rate"], r["connect_p50_us"]
+            # the server's CPU counts the warm-up's connections too, the client's does not
+            per_server = served / (p.conns + p.conns_warmup) / 1e3
+            return r["rate"], r["connect_p50_us"], r["cpu_us"], per_server
 
         return once
 
@@ -462,9 +473,10 @@ class UserView:
         except (_ceiling.CeilingError, OSError) as e:
             self.notes.append(f"user view round-trip bound: {e}")
         progress("user view: connections, one at a time")
-        self.measure(("conns_1", "connect_p50"), self.conns(1))
+        self.measure(("conns_1", "connect_p50", "cpu_client", "cpu_server"), self.conns(1))
         if self.smcd_cpu:
             self.res["bound"]["smcd_cpu"] = statistics.median(self.smcd_cpu)
+        self._cpu_rate()
         progress("user view: connections bound (a minimal Python handoff chain)")
         try:
             self.res["bound"].update(_conn_floor.measure(p.conns, p.conns_warmup, p.repeats))
@@ -474,6 +486,17 @@ class UserView:
         self.measure(("conns_n", "_connect_p50_n"), self.conns(p.concurrency))
         progress(f"user view: memory, {p.idle:,} idle connections")
         self.measure(("memory",), self.memory)
+
+    def _cpu_rate(self) -> None:
+        """The most connections/s the CPUs allow for that CPU per connection (smcd's and both
+        programs'), were the three processes to overlap perfectly: a connection one at a time
+        is a chain, so the rate stays below it."""
+        smc, smcd = self.res["smc"], self.res["bound"].get("smcd_cpu")
+        client, server = smc.get("cpu_client"), smc.get("cpu_server")
+        if smcd is None or client is None or server is None:
+            return
+        self.res["bound"]["chain_cpu"] = smcd + client + server
+        self.res["bound"]["cpu_rate"] = CPUS * 1e6 / (smcd + client + server)
 
     def complete(self, keys: list[str]) -> bool:
         return all(self.res[k].get(key) is not None for key in keys for k in KINDS)

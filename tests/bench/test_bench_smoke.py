@@ -14,6 +14,7 @@ figures and that transport (a fallback is never "met").
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -160,10 +161,20 @@ USER_ROWS = [
     ("TLS bulk, 64 KiB sendall (ssl)", "GB/s", None, "cmp"),
     ("connections/s, one at a time", "1/s", ">= 1500/s", "cmp"),
     ("setup p50 (connect + first send), one at a time", "us", "<= 500 us", "cmp"),
+    ("client's CPU per connection", "us", None, "cmp"),
+    ("echo server's CPU per connection", "us", None, "cmp"),
     ("bound: smcd CPU per connection", "us", None, "bound"),
+    ("bound: CPU per connection, smcd + client + server", "us", None, "bound"),
+    (
+        f"bound: connections/s that CPU allows on {len(os.sched_getaffinity(0))} CPUs",
+        "1/s",
+        None,
+        "bound",
+    ),
     ("bound: minimal Python handoff chain", "1/s", None, "bound"),
     ("bound: minimal Python handoff chain, p50", "us", None, "bound"),
     ("bound: its broker's CPU per connection", "us", None, "bound"),
+    ("bound: its client's + server's CPU per connection", "us", None, "bound"),
     ("connections/s, 4 at a time", "1/s", None, "cmp"),
     ("memory, 20 idle connections", "MiB", "<= 300 MiB, smcd + apps", "cmp"),
 ]
@@ -200,6 +211,13 @@ def _expected_met(key: str, smc: dict, tcp: dict, bound: dict, mode: str) -> str
     cpu_limit = {"conns_1": 1e6 / 1500, "connect_p50": 500}.get(key)
     if cpu_limit is not None and bound["smcd_cpu"] > cpu_limit:
         why.append(f"smcd CPU > {cpu_limit:.0f} us")
+    # what the three processes' CPU per connection allows on this machine's CPUs
+    cpus = len(os.sched_getaffinity(0))
+    chain = bound["smcd_cpu"] + smc["cpu_client"] + smc["cpu_server"]
+    assert math.isclose(bound["chain_cpu"], chain)
+    assert math.isclose(bound["cpu_rate"], cpus * 1e6 / chain)
+    if key == "conns_1" and bound["cpu_rate"] < 1500:
+        why.append(f"CPU allows {bound['cpu_rate']:.0f}/s")
     factor = {"rr_1b_p50": 0.3, "rr_1k_p50": 0.3, "rr_64k_p50": 0.5}.get(key)
     if factor is not None and factor * t < bound[key]:
         why.append(f"{factor:g}x tcp < bound")
