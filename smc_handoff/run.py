@@ -22,9 +22,9 @@ TLS runs over the channel: ``ssl`` wrapping a connection on SMC keeps it there
 before ``connect()`` is handed off by it.
 
 Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
-non-blocking when ``listen()`` is called (a select loop of the program's own), event loops other
-than asyncio's selector loop (uvloop: ``-v`` says so), and every socket when no daemon runs: the
-program never breaks because smcd is absent.
+non-blocking when ``listen()`` is called (a select loop of the program's own, trio's: ``-v`` says
+so for each connection), event loops other than asyncio's selector loop (uvloop: ``-v`` says so),
+and every socket when no daemon runs: the program never breaks because smcd is absent.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from smc_handoff.socket import (
     accepted,
     connection_at,
     handing_to_tls,
+    in_place,
     is_eventfd,
     may_defer_accept,
 )
@@ -268,11 +269,17 @@ class AutoSocket(SmcSocket):
         if self._late_listener and self._registration is None:
             self._register_late()
         fd, addr = self._accept()  # type: ignore[attr-defined]
-        conn = SmcSocket(_family_of(self), _type_of(self), self.proto, fileno=fd)
+        # Of the class socket.socket is now, as the stdlib's accept() makes it: a program (or
+        # trio, which refuses any other type) may check that its connection is a socket.socket.
+        conn = AutoSocket(_family_of(self), _type_of(self), self.proto, fileno=fd)
         if _socket.getdefaulttimeout() is None and self.gettimeout():
             conn.setblocking(True)
         reg = self._registration
         if reg is None:
+            if _verbose and _eligible(self):
+                report_tcp("accept", addr, "a listener already non-blocking when it began "
+                           "listening (an event loop of the program's own): smc-run hands off "
+                           "the connections of blocking listeners and asyncio's")  # fmt: skip
             return conn, addr
         if self._loop_accepts:
             _deferred[conn] = reg
@@ -311,6 +318,9 @@ class AutoSocket(SmcSocket):
             reg.close()
             self._registration = None
         super()._real_close(*args)
+
+
+in_place.add(AutoSocket)
 
 
 def _carries_eventfd(item: Any) -> bool:

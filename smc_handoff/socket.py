@@ -92,7 +92,7 @@ from smc_handoff.messages import Fallback
 if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
     from smc_handoff.channel import Channel as _Channel
 
-__all__ = ["SmcServer", "SmcSocket", "accepted", "connect", "listen", "wrap"]
+__all__ = ["SmcServer", "SmcSocket", "accepted", "connect", "in_place", "listen", "wrap"]
 
 log = logging.getLogger("smc_handoff")
 
@@ -1695,6 +1695,12 @@ class SmcSocket(_BaseSocket):
         return conn, addr
 
 
+in_place: set[type[SmcSocket]] = {SmcSocket}
+"""The classes of a fresh accepted connection that :func:`accepted` hands off in place, so
+that the program keeps the object ``accept()`` made, of the class it made (smc-run adds its
+``socket.socket``: trio, for one, takes only sockets whose type is exactly that)."""
+
+
 # --- public constructors ----------------------------------------------------------------------
 
 
@@ -1785,7 +1791,7 @@ def accepted(
     ``defer`` (smc-run's ``accept()``, for a fresh socket): the handshake's end is awaited by
     the connection's first use, not here (see :meth:`SmcSocket._handoff`)."""
     fresh = None
-    if isinstance(conn, SmcSocket) and type(conn) is SmcSocket and conn._smc is None:
+    if isinstance(conn, SmcSocket) and type(conn) in in_place and conn._smc is None:
         fresh = conn if conn._fallback is None and not conn._gone else None
     if reg.active:
         if fresh is None:

@@ -326,3 +326,47 @@ async def main():
 
 uvloop.run(main())
 '''
+
+TRIO = r'''
+"""An echo server on trio's event loop (its own epoll loop over non-blocking stdlib sockets,
+which it takes only if their type is exactly socket.socket) and 4 trio clients, each sending
+its own pattern while it reads the echo back: under smc-run it runs on TCP, every byte intact,
+and -v says why for each accepted and each connected end."""
+import functools
+import trio
+
+async def echo(stream):
+    try:
+        async for data in stream:
+            await stream.send_all(data)
+    except trio.BrokenResourceError:
+        pass
+
+async def client(port, i, size, results):
+    data = bytes((j * 7 + i) % 251 for j in range(size))
+    got = bytearray()
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        async def send():
+            for k in range(0, size, 65536):
+                await stream.send_all(data[k:k + 65536])
+            await stream.send_eof()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+    results.append(bytes(got) == data)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"),
+                                        echo, 0)
+        port = listeners[0].socket.getsockname()[1]
+        results = []
+        async with trio.open_nursery() as clients:
+            for i in range(4):
+                clients.start_soon(client, port, i, 100_000 + i * 300_000, results)
+        print("port", port, "intact", sum(results), "of", len(results), flush=True)
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+'''

@@ -2121,3 +2121,37 @@ def test_an_ipv6_link_local_connection_on_one_host_gets_smcd() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "smcd smcd\n", proc.stderr[-3000:]
+
+
+TYPED_SERVER = r"""
+import socket
+lsock = socket.create_server(("127.0.0.1", 0))
+print("PORT", lsock.getsockname()[1], flush=True)
+for _ in range(2):
+    conn, _ = lsock.accept()
+    conn.sendall(conn.recv(100))
+    print(type(conn) is socket.socket, isinstance(conn, socket.socket), flush=True)
+    conn.close()
+"""
+
+TYPED_CLIENT = r"""
+import socket, sys
+for _ in range(2):
+    sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    sock.sendall(b"typed")
+    assert sock.recv(100) == b"typed"
+    print(type(sock) is socket.socket, flush=True)
+    sock.close()
+"""
+
+
+def test_an_accepted_connection_is_of_the_type_socket_socket(nocfg: PrivateSmcd) -> None:
+    """``accept()`` under smc-run gives a connection whose type is ``socket.socket`` (smc-run's,
+    as the stdlib's accept makes its connections of the module's class), on SMC as on TCP: a
+    program may check ``type(conn) is socket.socket`` (trio does, and refused every accepted
+    connection while it was another class)."""
+    client, sout, serr = _talk(nocfg, TYPED_SERVER, TYPED_CLIENT)
+    assert client.returncode == 0 and client.stdout == "True\nTrue\n", (client.stderr, serr)
+    assert sout == "True True\nTrue True\n", (sout, serr)
+    assert _modes(serr) == [("accept", "smcd", None)] * 2, serr
+    assert _modes(client.stderr) == [("connect", "smcd", None)] * 2, client.stderr

@@ -25,6 +25,7 @@ from tests.e2e.asyncio_programs import (
     STARTTLS,
     STREAMS,
     TLS_PAIR,
+    TRIO,
     UVLOOP,
 )
 from tests.e2e.conftest import PYTHON, REPO_ENV, SMC_RUN, Smcd
@@ -329,6 +330,25 @@ def test_uvloop_runs_on_tcp_and_says_why(programs: Programs) -> None:
     reason = r"tcp \(uvloop: its transports are libuv's own"
     assert re.search(rf"listen .*{port}.*: {reason}", err), err
     assert re.search(rf"connect .*{port}.*: {reason}", err), err
+    assert not re.search(r": smcd", err), err
+
+
+def test_trio_runs_on_tcp_and_says_why(programs: Programs) -> None:
+    """trio (PyPI; its own epoll loop over non-blocking stdlib sockets) under smc-run with a
+    daemon running: its server and clients work on TCP, every byte intact, and -v says why for
+    each accepted and each connected end. Its listener is non-blocking before ``listen()``, so
+    it stays unregistered; its accept took only a socket whose type is exactly
+    ``socket.socket``, and failed on every connection while smc-run's accept made another
+    class."""
+    proc = programs.start([os.fspath(PYTHON), "-c", TRIO])
+    done = _line(proc, r"port (\d+) intact (\d+) of (\d+)", timeout=60)
+    assert done.group(2) == done.group(3) == "4", done.group(0)
+    assert proc.wait(20) == 0
+    (err,) = programs.stop()
+    accepts = re.findall(r"accept .*: tcp \(a listener already non-blocking when it began "
+                         r"listening", err)  # fmt: skip
+    connects = re.findall(rf"connect .*{done.group(1)}.*: tcp \(a non-blocking connect", err)
+    assert len(accepts) == 4 and len(connects) == 4, err
     assert not re.search(r": smcd", err), err
 
 
