@@ -285,6 +285,7 @@ def _test_cert(tmp_path: Path) -> tuple[Path, Path]:
     )  # fmt: skip
     return cert, key
 
+
 def test_tls_runs_over_the_channel(programs: Programs, tmp_path: Path) -> None:
     """asyncio's ssl= (server and client) is handed off as any connection: the listener is
     registered, the connection is on smcd and asyncio's TLS protocol runs over the channel
