@@ -21,10 +21,13 @@ TLS runs over the channel: ``ssl`` wrapping a connection on SMC keeps it there
 (:mod:`smc_handoff.tls`), a listener that ``ssl`` wraps stays registered and a socket wrapped
 before ``connect()`` is handed off by it.
 
+trio's connections are handed off by :mod:`smc_handoff.trio_loop` (installed when the
+program imports trio), in trio's worker threads.
+
 Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
-non-blocking when ``listen()`` is called (a select loop of the program's own, trio's: ``-v`` says
-so for each connection), event loops other than asyncio's selector loop (uvloop: ``-v`` says so),
-and every socket when no daemon runs: the program never breaks because smcd is absent.
+non-blocking when ``listen()`` is called (a select loop of the program's own: ``-v`` says so for
+each connection), event loops other than asyncio's selector loop and trio's (uvloop: ``-v`` says
+so), and every socket when no daemon runs: the program never breaks because smcd is absent.
 """
 
 from __future__ import annotations
@@ -655,6 +658,12 @@ def _patch_uvloop(uvloop: Any) -> None:
     aio_loop.install_uvloop_report(uvloop)
 
 
+def _patch_trio(trio_socket: Any) -> None:
+    from smc_handoff import trio_loop
+
+    trio_loop.install(trio_socket)
+
+
 def install(*, verbose: bool = False, debug: bool = False) -> None:
     """Upgrade this interpreter: ``socket.socket`` becomes :class:`AutoSocket` (idempotent)."""
     global _verbose
@@ -667,6 +676,7 @@ def install(*, verbose: bool = False, debug: bool = False) -> None:
         root.setLevel(logging.DEBUG)
     _patch_on_import("ssl", patch_ssl)
     _patch_on_import("asyncio", _patch_asyncio)
+    _patch_on_import("trio._socket", _patch_trio)
     _patch_on_import("subprocess", _patch_subprocess)
     _patch_on_import("multiprocessing.reduction", _patch_mp_reduction)
     _patch_dup2()

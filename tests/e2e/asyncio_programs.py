@@ -328,11 +328,14 @@ uvloop.run(main())
 '''
 
 TRIO = r'''
-"""An echo server on trio's event loop (its own epoll loop over non-blocking stdlib sockets,
-which it takes only if their type is exactly socket.socket) and 4 trio clients, each sending
-its own pattern while it reads the echo back: under smc-run it runs on TCP, every byte intact,
-and -v says why for each accepted and each connected end."""
-import functools
+"""trio (its own epoll loop over non-blocking stdlib sockets) under smc-run: an echo server,
+trio clients, or both in one process. Each client sends its own pattern while it reads the
+echo back, then half-closes; "intact N of M" counts the echoes that came back whole.
+
+    both N          a server and N clients in this process
+    server          a server: prints "port P", serves until killed
+    client P N      N clients of the server at port P"""
+import functools, sys
 import trio
 
 async def echo(stream):
@@ -356,17 +359,26 @@ async def client(port, i, size, results):
                 got += chunk
     results.append(bytes(got) == data)
 
-async def main():
+async def clients(port, n):
+    results = []
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"),
-                                        echo, 0)
+        for i in range(n):
+            nursery.start_soon(client, port, i, 100_000 + i * 300_000, results)
+    print("port", port, "intact", sum(results), "of", len(results), flush=True)
+
+async def main(role, *args):
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
+        if role == "client":
+            await clients(int(args[0]), int(args[1]))
+            return
+        listeners = await nursery.start(serve, echo, 0)
         port = listeners[0].socket.getsockname()[1]
-        results = []
-        async with trio.open_nursery() as clients:
-            for i in range(4):
-                clients.start_soon(client, port, i, 100_000 + i * 300_000, results)
-        print("port", port, "intact", sum(results), "of", len(results), flush=True)
+        if role == "server":
+            print("port", port, flush=True)
+            return
+        await clients(port, int(args[0]))
         nursery.cancel_scope.cancel()
 
-trio.run(main)
+trio.run(main, *sys.argv[1:])
 '''

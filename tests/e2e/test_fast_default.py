@@ -1588,6 +1588,51 @@ def test_a_non_blocking_connect_says_why_it_stays_on_tcp(nocfg: PrivateSmcd) -> 
     assert [m[:2] for m in _modes(serr)] == [("accept", "tcp")], serr
 
 
+NONBLOCKING_LISTENER = r"""
+import selectors, socket
+lsock = socket.socket()
+lsock.setblocking(False)  # before listen(): a select loop of the program's own
+lsock.bind(("127.0.0.1", 0))
+lsock.listen()
+print("PORT", lsock.getsockname()[1], flush=True)
+sel = selectors.DefaultSelector()
+sel.register(lsock, selectors.EVENT_READ)
+assert sel.select(10)
+conn, _ = lsock.accept()
+conn.setblocking(True)
+while data := conn.recv(100):
+    conn.sendall(data)
+conn.close()
+"""
+
+PING_CLIENT = r"""
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.sendall(b"ping")
+sock.shutdown(socket.SHUT_WR)
+got = b""
+while chunk := sock.recv(100):
+    got += chunk
+print(got.decode(), flush=True)
+"""
+
+
+def test_a_listener_non_blocking_before_listen_says_why_it_stays_on_tcp(
+    nocfg: PrivateSmcd,
+) -> None:
+    """A select loop's listener made non-blocking before ``listen()`` is not registered (a
+    handoff would wait on the program's loop): its connections stay on TCP, and ``-v`` says
+    so for each accepted one, where it said nothing; its client falls back at once, before
+    any CLC byte (no listener registered at that port)."""
+    client, _sout, serr = _talk(nocfg, NONBLOCKING_LISTENER, PING_CLIENT)
+    assert client.returncode == 0 and client.stdout == "ping\n", (client.stderr, serr)
+    modes = _modes(serr)
+    assert len(modes) == 1 and modes[0][:2] == ("accept", "tcp"), serr
+    assert "a listener already non-blocking when it began listening" in (modes[0][2] or ""), serr
+    (connect,) = _modes(client.stderr)
+    assert connect[:2] == ("connect", "tcp") and "PEERNOSMC" in (connect[2] or ""), client.stderr
+
+
 SLOW_READER = r"""
 import hashlib, socket, time
 lsock = socket.create_server(("127.0.0.1", 0))

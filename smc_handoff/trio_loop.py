@@ -1,0 +1,97 @@
+"""smc-run for trio: its connections upgraded to SMC, in unmodified programs.
+
+trio runs its own epoll loop over non-blocking stdlib sockets: ``trio.socket`` wraps a
+``socket.socket``, under smc-run an :class:`~smc_handoff.run.AutoSocket`. A non-blocking socket
+cannot hand itself off (the handoff waits for smcd, and that wait must not stall the program's
+loop), so on their own trio's connections stayed on TCP. When the program imports trio,
+:func:`install` extends its socket wrapper where a connection comes into being, as
+:mod:`smc_handoff.aio_loop` does for asyncio:
+
+* ``listen()``: the listener is registered with smcd
+  (:meth:`~smc_handoff.run.AutoSocket.serve_from_loop`), so its ``accept()`` leaves the handoff
+  of each connection to the task that accepted it;
+* ``accept()``: the connection is handed off in one of trio's worker threads
+  (``trio.to_thread.run_sync``): the accepting task waits, the loop goes on;
+* ``connect()``: the SYN asks for SMC's TCP option (smcd's peer detection), and the connected
+  socket is handed off in a worker thread before ``connect()`` returns.
+
+Data then moves through trio's own code: its ``send``/``recv`` call the socket's, which on SMC
+are the channel's non-blocking calls, and it waits on ``fileno()``, the channel's eventfd, with
+its epoll, which smc-run's ``select.epoll`` makes report writable only with room in the peer's
+ring (:mod:`smc_handoff.readiness`; trio's registrations are one-shot). A handoff that falls back
+leaves the socket on TCP as it was, and ``smc-run -v`` gives each connection's mode.
+
+trio's socket wrapper is private API (``trio._socket._SocketType``): if a trio release changes
+it, :func:`install` leaves trio alone and its programs run on TCP as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from smc_handoff import run
+from smc_handoff.socket import accepted
+
+__all__ = ["install"]
+
+log = logging.getLogger("smc_handoff.trio_loop")
+
+_PATCHED = ("listen", "accept", "connect")
+
+
+async def _to_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in one of trio's worker threads (looked up here: ``trio._socket`` is
+    patched while ``trio`` itself is still being imported, before ``trio.to_thread`` exists)."""
+    import trio
+
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def install(trio_socket: Any) -> None:
+    """Extend ``trio._socket._SocketType`` as the module docstring says (idempotent)."""
+    cls = getattr(trio_socket, "_SocketType", None)
+    if cls is None or not all(callable(getattr(cls, name, None)) for name in _PATCHED):
+        log.debug("trio's socket wrapper is not as expected: its connections stay on TCP")
+        return
+    if getattr(cls.accept, "_smc_run", False):
+        return
+    listen, accept, connect = cls.listen, cls.accept, cls.connect
+
+    @functools.wraps(listen)
+    def smc_listen(self: Any, *args: Any, **kwargs: Any) -> None:
+        listen(self, *args, **kwargs)
+        sock = self._sock
+        if isinstance(sock, run.AutoSocket):
+            sock.serve_from_loop()
+
+    @functools.wraps(accept)
+    async def smc_accept(self: Any) -> Any:
+        wrapped, addr = await accept(self)
+        sock = wrapped._sock
+        reg = run.take_deferred(sock)
+        if reg is None:
+            return wrapped, addr
+        # Off the loop: accepted() waits for smcd's answer. It hands the socket off in place
+        # (the wrapper keeps it) and never raises for a reset: the socket's first call does.
+        await _to_thread(accepted, sock, reg)
+        run.report("accept", sock, addr)
+        return wrapped, addr
+
+    @functools.wraps(connect)
+    async def smc_connect(self: Any, address: Any) -> None:
+        sock = self._sock
+        ours = isinstance(sock, run.AutoSocket)
+        if ours:
+            sock.loop_connects = True  # its non-blocking connect is the loop's: no -v line
+            sock.mark_for_handoff()
+        await connect(self, address)
+        if ours and sock.can_upgrade:
+            # Raises, the connection reset, where the stream cannot be given back as it was.
+            await _to_thread(sock.hand_off_client, sock.getpeername())
+
+    patched: tuple[Any, ...] = (smc_listen, smc_accept, smc_connect)
+    for fn in patched:
+        fn._smc_run = True
+    cls.listen, cls.accept, cls.connect = patched
