@@ -51,11 +51,11 @@ client side (connect) and the server side (listen/accept), like smc-tools' smc_r
   -h, --help    show this help and exit
 
 Without a running smcd the program runs unchanged on plain TCP. asyncio programs are upgraded
-too (asyncio's own event loop; not uvloop), TLS included, and trio programs. Environment: SMCD_HANDOFF_SOCKET (the
-daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for the daemon's answer),
-SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for, bytes; default: the
-daemon's), SMC_RUN_BUSY_POLL=0 (an event loop does not spin on its SMC connections before it
-sleeps; default: it spins briefly, as SO_BUSY_POLL does).
+too (asyncio's own event loop; not uvloop), TLS included, and trio programs. Environment:
+SMCD_HANDOFF_SOCKET (the daemon's handoff socket), SMCD_HANDOFF_TIMEOUT (seconds to wait for
+the daemon's answer), SMC_RUN_DMB_SIZE (the receive buffer an asyncio connection asks for,
+bytes; default: the daemon's), SMC_RUN_BUSY_POLL=0 (an event loop does not spin on its SMC
+connections before it sleeps; default: it spins briefly, as SO_BUSY_POLL does).
 """
 )
 
