@@ -8,6 +8,9 @@ same run (the median of ``repeats`` runs). ``smc-run -v`` prints the transport o
 connection; each row shows what its connections got, and a row whose connections are not all on
 ``smcd`` is never met.
 
+The trio rows (no target) run ``bench/trio_app.py``'s bulk transfer and 1 KiB round trip the
+same way: trio's own event loop, which smc-run upgrades too (``smc_handoff/trio_loop.py``).
+
 Rows (issue 16): asyncio streams bulk (64 KiB writes, a receiver that ``read()``s), asyncio
 request/response p50 at 1 KiB, and under it what bounds that round trip: the same round trip
 with both ends in one process (each transport's work without a wakeup across processes) and
@@ -39,6 +42,7 @@ from _table import format_cell
 
 HERE = Path(__file__).resolve().parent
 APP = HERE / "asyncio_app.py"
+TRIO_APP = HERE / "trio_app.py"
 KINDS = ("tcp", "smc")
 TIMEOUT = 300.0
 """Seconds one program of a full run may take; ``--quick`` gives each :data:`QUICK_TIMEOUT`."""
@@ -106,6 +110,8 @@ ROWS = (
     Row("http_rps", "uvicorn+aiohttp keep-alive 64 KiB", "req/s", ">= 1x tcp", "higher", 1.0),
     Row("http_p50", "uvicorn+aiohttp keep-alive 64 KiB, p50", "us", "<= 1x tcp", "lower", 1.0),
     Row("rr64", "asyncio round trip 100 B -> 64 KiB, p50", "us", "", "lower", None),
+    Row("trio_bulk", "trio bulk, 64 KiB send_all", "GB/s", "", "higher", None),
+    Row("trio_rr", "trio round trip 1 KiB, p50", "us", "", "lower", None),
 )
 
 _VERBOSE = re.compile(
@@ -341,6 +347,26 @@ class AsyncioRows:
             lat = [r["p50_us"] for r in http[kind]]
             self.res[kind]["http_p50"] = statistics.median(lat) if lat else None
         self.modes["http_rps"] = self.modes["http_p50"] = self.modes.pop("http", set())
+        trio = os.fspath(TRIO_APP)
+        progress("trio: bulk")
+        self._measure(
+            "trio_bulk",
+            lambda kind: self._pair(
+                "trio_bulk", kind, [py, trio, "bulk-server"],
+                [py, trio, "bulk-client", str(p.bulk_bytes), str(p.bulk_warmup)],
+            ),
+            "gbps",
+        )  # fmt: skip
+        progress("trio: round trips")
+        size = str(p.rr_size)
+        self._measure(
+            "trio_rr",
+            lambda kind: self._pair(
+                "trio_rr", kind, [py, trio, "rr-server", size, size],
+                [py, trio, "rr-client", str(p.rr_rounds), str(p.rr_warmup), size, size],
+            ),
+            "p50_us",
+        )  # fmt: skip
 
     def outside_share(self, kind: str) -> float | None:
         """The share of the HTTP p50 outside the transport (see the module docstring)."""
@@ -426,8 +452,8 @@ def print_asyncio_rows(rows: AsyncioRows) -> None:
     p = rows.plan
     print()
     print(
-        "asyncio: unmodified asyncio programs (bench/asyncio_app.py, uvicorn, aiohttp) on TCP "
-        "loopback and under smc-run, smcd with a UEID"
+        "asyncio: unmodified asyncio programs (bench/asyncio_app.py, uvicorn, aiohttp) and trio "
+        "programs (bench/trio_app.py) on TCP loopback and under smc-run, smcd with a UEID"
     )
     print(
         f"sizes: bulk {p.bulk_bytes >> 20} MiB in 64 KiB writes; round trips {p.rr_rounds:,} "

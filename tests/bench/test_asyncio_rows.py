@@ -1,5 +1,6 @@
 """``bench/asyncio_rows.py --quick`` (the asyncio rows of ``make bench``): runs end to end with
-uvicorn, aiohttp and asyncio streams on TCP and under smc-run, and prints every row complete.
+uvicorn, aiohttp, asyncio streams and trio on TCP and under smc-run, and prints every row
+complete.
 
 Checks structure, never speed: each row has both figures, its ratio, a met mark where it has a
 target, and the transport smc-run -v reported (``smcd``: the private daemon has a UEID); the bound
@@ -25,6 +26,8 @@ LABELS = {
     "uvicorn+aiohttp keep-alive 64 KiB": ">= 1x tcp",
     "uvicorn+aiohttp keep-alive 64 KiB, p50": "<= 1x tcp",
     "asyncio round trip 100 B -> 64 KiB, p50": "-",
+    "trio bulk, 64 KiB send_all": "-",
+    "trio round trip 1 KiB, p50": "-",
 }
 
 
