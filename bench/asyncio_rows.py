@@ -293,17 +293,23 @@ class AsyncioRows:
         for kind in kinds:
             self.res[kind][key] = statistics.median(runs[kind]) if runs[kind] else None
 
-    def run(self, progress: Callable[[str], None]) -> None:
-        p, py, app = self.plan, sys.executable, os.fspath(APP)
-        progress("asyncio: streams bulk")
+    def _bulk(self, key: str, app: str) -> None:
+        """The bulk row ``key`` of ``app`` (``bench/asyncio_app.py`` or ``bench/trio_app.py``:
+        the same roles and arguments)."""
+        p, py = self.plan, sys.executable
         self._measure(
-            "bulk",
+            key,
             lambda kind: self._pair(
-                "bulk", kind, [py, app, "bulk-server"],
+                key, kind, [py, app, "bulk-server"],
                 [py, app, "bulk-client", str(p.bulk_bytes), str(p.bulk_warmup)],
             ),
             "gbps",
         )  # fmt: skip
+
+    def run(self, progress: Callable[[str], None]) -> None:
+        p, py, app = self.plan, sys.executable, os.fspath(APP)
+        progress("asyncio: streams bulk")
+        self._bulk("bulk", app)
         for key, req, resp in (("rr", p.rr_size, p.rr_size), ("rr64", 100, p.http_size)):
             progress(f"asyncio: round trips {req} -> {resp} B")
             self._measure(
@@ -349,14 +355,7 @@ class AsyncioRows:
         self.modes["http_rps"] = self.modes["http_p50"] = self.modes.pop("http", set())
         trio = os.fspath(TRIO_APP)
         progress("trio: bulk")
-        self._measure(
-            "trio_bulk",
-            lambda kind: self._pair(
-                "trio_bulk", kind, [py, trio, "bulk-server"],
-                [py, trio, "bulk-client", str(p.bulk_bytes), str(p.bulk_warmup)],
-            ),
-            "gbps",
-        )  # fmt: skip
+        self._bulk("trio_bulk", trio)
         progress("trio: round trips")
         size = str(p.rr_size)
         self._measure(
