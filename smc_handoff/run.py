@@ -230,8 +230,9 @@ class AutoSocket(SmcSocket):
         if self.gettimeout() != 0:
             peer_option.request_option(self)
         elif _verbose and not self.loop_connects:
-            report_tcp("connect", address, "a non-blocking connect of the program's own event "
-                       "loop: smc-run hands off blocking connects and asyncio's")  # fmt: skip
+            report_tcp("connect", address, "a non-blocking connect of the program's own "
+                       "event loop: smc-run hands off blocking connects, asyncio's and "
+                       "trio's")  # fmt: skip
 
     def connect(self, address: Any) -> None:
         self._mark(address)
@@ -282,7 +283,8 @@ class AutoSocket(SmcSocket):
             if _verbose and _eligible(self):
                 report_tcp("accept", addr, "a listener already non-blocking when it began "
                            "listening (an event loop of the program's own): smc-run hands off "
-                           "the connections of blocking listeners and asyncio's")  # fmt: skip
+                           "the connections of blocking listeners, asyncio's and "
+                           "trio's")  # fmt: skip
             return conn, addr
         if self._loop_accepts:
             _deferred[conn] = reg

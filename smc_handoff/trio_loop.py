@@ -75,7 +75,11 @@ def install(trio_socket: Any) -> None:
             return wrapped, addr
         # Off the loop: accepted() waits for smcd's answer. It hands the socket off in place
         # (the wrapper keeps it) and never raises for a reset: the socket's first call does.
-        await _to_thread(accepted, sock, reg)
+        try:
+            await _to_thread(accepted, sock, reg)
+        except BaseException:  # cancelled: the connection nobody will get is closed
+            wrapped.close()
+            raise
         run.report("accept", sock, addr)
         return wrapped, addr
 
@@ -88,8 +92,13 @@ def install(trio_socket: Any) -> None:
             sock.mark_for_handoff()
         await connect(self, address)
         if ours and sock.can_upgrade:
-            # Raises, the connection reset, where the stream cannot be given back as it was.
-            await _to_thread(sock.hand_off_client, sock.getpeername())
+            # Raises, the connection reset, where the stream cannot be given back as it was;
+            # cancelled, the socket is closed, as trio's connect() closes it.
+            try:
+                await _to_thread(sock.hand_off_client, sock.getpeername())
+            except BaseException:
+                sock.close()
+                raise
 
     patched: tuple[Any, ...] = (smc_listen, smc_accept, smc_connect)
     for fn in patched:
