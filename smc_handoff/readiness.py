@@ -383,7 +383,15 @@ class _Translated:
             if self._shot.get(fd) is False:
                 continue  # a one-shot registration that reported: nothing until a modify
             if self._real.get(fd, mask) != mask & ~_OUT:
-                self._set(fd, mask & ~_OUT)
+                try:
+                    self._set(fd, mask & ~_OUT)
+                except OSError:
+                    # Not registered (any more): the descriptor registered for writing was
+                    # closed without unregistering (trio closes a socket whose connect was
+                    # cancelled so), the kernel dropped it, and its number is an SMC
+                    # connection's now, which nobody registered.
+                    self._forget(fd)
+                    continue
                 self._real[fd] = mask & ~_OUT
             rooms = rooms or _Rooms()
             owed = self._owed.get(fd)

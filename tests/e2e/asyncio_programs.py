@@ -334,7 +334,9 @@ echo back, then half-closes; "intact N of M" counts the echoes that came back wh
 
     both N          a server and N clients in this process
     server          a server: prints "port P", serves until killed
-    client P N      N clients of the server at port P"""
+    client P N      N clients of the server at port P
+    cancel N        a server, and N connects cancelled at 0.2-2.1 ms (move_on_after), some
+                    during the TCP connect, some during the handoff; then one echo more"""
 import functools, sys
 import trio
 
@@ -366,6 +368,19 @@ async def clients(port, n):
             nursery.start_soon(client, port, i, 100_000 + i * 300_000, results)
     print("port", port, "intact", sum(results), "of", len(results), flush=True)
 
+async def cancelled_connects(port, n):
+    cancelled = 0
+    for i in range(n):
+        with trio.move_on_after(0.0002 + (i % 20) * 0.0001) as scope:
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(b"x")
+                assert await stream.receive_some(1) == b"x"
+        cancelled += scope.cancelled_caught
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(b"ok")
+        print("cancelled", cancelled, "of", n, "then", (await stream.receive_some(2)).decode(),
+              flush=True)
+
 async def main(role, *args):
     async with trio.open_nursery() as nursery:
         serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
@@ -377,7 +392,10 @@ async def main(role, *args):
         if role == "server":
             print("port", port, flush=True)
             return
-        await clients(port, int(args[0]))
+        if role == "cancel":
+            await cancelled_connects(port, int(args[0]))
+        else:
+            await clients(port, int(args[0]))
         nursery.cancel_scope.cancel()
 
 trio.run(main, *sys.argv[1:])

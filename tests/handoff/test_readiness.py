@@ -663,3 +663,35 @@ def test_select_takes_descriptors_past_fd_setsize(daemon: MiniDaemon, wrapped: N
             os.close(fd)
         a.close()
         b.close()
+
+
+def test_a_stale_registration_for_writing_at_a_connections_number_is_dropped(
+    daemon: MiniDaemon, wrapped: None
+) -> None:
+    """A descriptor registered for writing, closed without unregistering (trio closes a
+    socket whose connect was cancelled so) and dropped by the kernel, whose number is now an
+    SMC connection's ``fileno()`` that nobody registered: the next poll drops the stale
+    registration, where its ``epoll_ctl`` MOD failed the program's loop with
+    ``FileNotFoundError``; the connection, registered afterwards, polls as any."""
+    a, b = wrapped_pair()
+    other = socket.socket()
+    try:
+        fd = a.fileno()
+        saved = os.dup(fd)
+        with select.epoll() as ep:
+            os.dup2(other.fileno(), fd)  # the number is another file's for a while...
+            try:
+                ep.register(fd, select.EPOLLOUT | select.EPOLLONESHOT)
+            finally:
+                os.dup2(saved, fd)  # ...and the connection's again
+                os.close(saved)
+            other.close()  # its last descriptor: the kernel drops its registration
+            assert ep.poll(0.05) == []
+            ep.register(fd, select.EPOLLIN)
+            b.sendall(b"z")
+            assert ep.poll(10.0) == [(fd, select.EPOLLIN)]
+            assert a.recv(10) == b"z"
+    finally:
+        other.close()
+        a.close()
+        b.close()
