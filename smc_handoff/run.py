@@ -184,6 +184,13 @@ class AutoSocket(SmcSocket):
         """A TCP stream socket no handoff was tried on yet (what an event loop hands off)."""
         return _eligible(self) and self.mode == "tcp" and self.fallback is None
 
+    def offer_client(self, address: Any) -> None:
+        """Send this connected socket's CONNECT to smcd and return at once, whatever the
+        socket's timeout: its answer is read by :meth:`settle` (an event loop calls it once
+        :meth:`answer_fd` is readable) or by the socket's first use; ``-v``'s line then."""
+        if self.can_upgrade:
+            self._handoff(server_side=False, defer=_reporter(address))
+
     def hand_off_client(self, address: Any, dmb_size: int = 0) -> AutoSocket:
         """Hand this connected socket off now (blocking: an event loop calls it in the
         handoff threads). Raises, the connection reset, as :func:`smc_handoff.wrap` does."""

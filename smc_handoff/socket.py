@@ -806,6 +806,19 @@ class SmcSocket(_BaseSocket):
         pending.done(self)
         return self._smc
 
+    def answer_fd(self) -> int | None:
+        """The descriptor smcd's answer to a deferred handoff comes on (readable once it is
+        there, or once smcd hung up), None when no answer is awaited: an event loop waits for
+        it itself (:mod:`smc_handoff.trio_loop`), then calls :meth:`settle`, which no longer
+        waits."""
+        pending = self._pending
+        return None if pending is None else pending.sent.ctl.fileno()
+
+    def settle(self) -> None:
+        """Read the answer of a deferred handoff and act on it (the channel, or TCP with its
+        reason): what the socket's first use does, waiting for the answer if it is not there."""
+        self._settle()
+
     def _drop_unanswered(self, pending: _Pending) -> bool:
         """On ``close()``: give up a deferred handoff smcd has not answered yet, without
         waiting (True; False: the answer is there, settle it). A TCP ``close()`` never waits,

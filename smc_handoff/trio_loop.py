@@ -10,10 +10,17 @@ loop), so on their own trio's connections stayed on TCP. When the program import
 * ``listen()``: the listener is registered with smcd
   (:meth:`~smc_handoff.run.AutoSocket.serve_from_loop`), so its ``accept()`` leaves the handoff
   of each connection to the task that accepted it;
-* ``accept()``: the connection is handed off in one of trio's worker threads
-  (``trio.to_thread.run_sync``): the accepting task waits, the loop goes on;
-* ``connect()``: the SYN asks for SMC's TCP option (smcd's peer detection), and the connected
-  socket is handed off in a worker thread before ``connect()`` returns.
+* ``accept()``: the connection's ACCEPT goes to smcd, and the task waits in trio's loop for the
+  answer on the handoff's control connection (``trio.lowlevel.wait_readable``), then takes it
+  (:meth:`~smc_handoff.socket.SmcSocket.settle`, which no longer waits);
+* ``connect()``: the SYN asks for SMC's TCP option (smcd's peer detection), and once connected
+  the socket's CONNECT goes to smcd and the task waits for the answer the same way.
+
+No thread waits for smcd: a client half waits in smcd for its server half, which may be in the
+same process, and the first version, which waited in trio's worker threads, took every thread
+with client halves when a program connected to itself 100 times at once (trio's limit is 40),
+so that the server halves could not start and most connections fell back after
+``timeouts.clc_wait``.
 
 Data then moves through trio's own code: its ``send``/``recv`` call the socket's, which on SMC
 are the channel's non-blocking calls, and it waits on ``fileno()``, the channel's eventfd, with
@@ -41,12 +48,18 @@ log = logging.getLogger("smc_handoff.trio_loop")
 _PATCHED = ("listen", "accept", "connect")
 
 
-async def _to_thread(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in one of trio's worker threads (looked up here: ``trio._socket`` is
-    patched while ``trio`` itself is still being imported, before ``trio.to_thread`` exists)."""
-    import trio
+async def _settled(sock: run.AutoSocket) -> None:
+    """Wait in trio's loop for smcd's answer to the socket's handoff, then take it. Cancelled
+    meanwhile, the socket is closed (the handoff given up: see ``SmcSocket.close``)."""
+    from trio.lowlevel import wait_readable  # trio is imported by now (see install)
 
-    return await trio.to_thread.run_sync(fn, *args)
+    try:
+        while (fd := sock.answer_fd()) is not None:
+            await wait_readable(fd)
+            sock.settle()
+    except BaseException:
+        sock.close()
+        raise
 
 
 def install(trio_socket: Any) -> None:
@@ -73,14 +86,15 @@ def install(trio_socket: Any) -> None:
         reg = run.take_deferred(sock)
         if reg is None:
             return wrapped, addr
-        # Off the loop: accepted() waits for smcd's answer. It hands the socket off in place
-        # (the wrapper keeps it) and never raises for a reset: the socket's first call does.
+        # The ACCEPT goes to smcd at once; its answer is awaited in the loop. accepted() hands
+        # the socket off in place (the wrapper keeps it) and never raises for a reset: the
+        # socket's first call does.
         try:
-            await _to_thread(accepted, sock, reg)
-        except BaseException:  # cancelled: the connection nobody will get is closed
-            wrapped.close()
+            accepted(sock, reg, defer=lambda s: run.report("accept", s, addr))
+        except BaseException:
+            sock.close()
             raise
-        run.report("accept", sock, addr)
+        await _settled(sock)
         return wrapped, addr
 
     @functools.wraps(connect)
@@ -95,10 +109,11 @@ def install(trio_socket: Any) -> None:
             # Raises, the connection reset, where the stream cannot be given back as it was;
             # cancelled, the socket is closed, as trio's connect() closes it.
             try:
-                await _to_thread(sock.hand_off_client, sock.getpeername())
+                sock.offer_client(sock.getpeername())
             except BaseException:
                 sock.close()
                 raise
+            await _settled(sock)
 
     patched: tuple[Any, ...] = (smc_listen, smc_accept, smc_connect)
     for fn in patched:

@@ -336,7 +336,8 @@ echo back, then half-closes; "intact N of M" counts the echoes that came back wh
     server          a server: prints "port P", serves until killed
     client P N      N clients of the server at port P
     cancel N        a server, and N connects cancelled at 0.2-2.1 ms (move_on_after), some
-                    during the TCP connect, some during the handoff; then one echo more"""
+                    during the TCP connect, some during the handoff; then one echo more
+    burst N         a server and N clients connecting at once, 1 KiB each"""
 import functools, sys
 import trio
 
@@ -361,11 +362,11 @@ async def client(port, i, size, results):
                 got += chunk
     results.append(bytes(got) == data)
 
-async def clients(port, n):
+async def clients(port, n, size=None):
     results = []
     async with trio.open_nursery() as nursery:
         for i in range(n):
-            nursery.start_soon(client, port, i, 100_000 + i * 300_000, results)
+            nursery.start_soon(client, port, i, size or 100_000 + i * 300_000, results)
     print("port", port, "intact", sum(results), "of", len(results), flush=True)
 
 async def cancelled_connects(port, n):
@@ -395,7 +396,7 @@ async def main(role, *args):
         if role == "cancel":
             await cancelled_connects(port, int(args[0]))
         else:
-            await clients(port, int(args[0]))
+            await clients(port, int(args[0]), 1024 if role == "burst" else None)
         nursery.cancel_scope.cancel()
 
 trio.run(main, *sys.argv[1:])

@@ -387,6 +387,20 @@ def test_trio_runs_over_smcd(programs: Programs) -> None:
     assert _ends(err, "accept") == ["smcd"] * 4 and _ends(err, "connect") == ["smcd"] * 4, err
 
 
+def test_a_trio_program_connecting_to_itself_in_a_burst_gets_smcd(programs: Programs) -> None:
+    """100 connects at once to a server of the same trio program: every end on smcd. A client
+    half waits in smcd for its server half; when the handoffs waited in trio's worker threads
+    (40 at most), the client halves took them all, the server halves could not start, and
+    most connections fell back after ``timeouts.clc_wait`` (6 s)."""
+    proc = programs.start([os.fspath(PYTHON), "-c", TRIO, "burst", "100"])
+    done = _line(proc, r"port (\d+) intact (\d+) of (\d+)", timeout=60)
+    assert done.group(2) == done.group(3) == "100", done.group(0)
+    assert proc.wait(20) == 0
+    (err,) = programs.stop()
+    assert _ends(err, "accept") == ["smcd"] * 100, err[-3000:]
+    assert _ends(err, "connect") == ["smcd"] * 100, err[-3000:]
+
+
 def test_trio_connects_cancelled_midway_leave_the_loop_working(programs: Programs) -> None:
     """trio connects cancelled at any point (during the TCP connect, trio closes the socket
     still registered in its epoll for writing; during the handoff, in the worker thread):
@@ -395,9 +409,9 @@ def test_trio_connects_cancelled_midway_leave_the_loop_working(programs: Program
     and smc-run's epoll, still counting the old registration, failed trio's loop with
     ``FileNotFoundError`` (epoll_ctl MOD of a descriptor the kernel had dropped) in about one
     run of this test in three; ``tests/handoff/test_readiness.py`` has that case every time.
-    (300 connects: ``-v``'s lines stay within the stderr pipe the harness reads at the end.)"""
-    proc = programs.start([os.fspath(PYTHON), "-c", TRIO, "cancel", "300"])
-    done = _line(proc, r"cancelled (\d+) of 300 then (\w+)", timeout=90)
+    (150 connects: ``-v``'s lines stay well within the stderr pipe the harness reads at the end.)"""
+    proc = programs.start([os.fspath(PYTHON), "-c", TRIO, "cancel", "150"])
+    done = _line(proc, r"cancelled (\d+) of 150 then (\w+)", timeout=90)
     assert done.group(2) == "ok" and int(done.group(1)) > 0, done.group(0)
     assert proc.wait(20) == 0
     (err,) = programs.stop()
