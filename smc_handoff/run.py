@@ -22,7 +22,7 @@ TLS runs over the channel: ``ssl`` wrapping a connection on SMC keeps it there
 before ``connect()`` is handed off by it.
 
 trio's connections are handed off by :mod:`smc_handoff.trio_loop` (installed when the
-program imports trio), in trio's worker threads.
+program imports trio), their tasks waiting for smcd's answer in trio's loop.
 
 Not upgraded, and staying on plain TCP: other non-blocking connects and listeners that are
 non-blocking when ``listen()`` is called (a select loop of the program's own: ``-v`` says so for

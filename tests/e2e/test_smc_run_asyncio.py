@@ -373,9 +373,9 @@ def _ends(err: str, op: str) -> list[str]:
 def test_trio_runs_over_smcd(programs: Programs) -> None:
     """trio (PyPI; its own epoll loop over non-blocking stdlib sockets) under smc-run: its
     listener is registered when it listens, each accepted connection and each connect is
-    handed off in a worker thread while the loop goes on, and the data then moves through
-    trio's own send/recv on the channel: a server and 4 clients that write while they read
-    (up to 1 MB each way) all on smcd, every byte intact. Before, trio's listener stayed
+    handed off while the loop goes on (the task waits for smcd's answer), and the data then
+    moves through trio's own send/recv on the channel: a server and 4 clients that write
+    while they read (up to 1 MB each way) all on smcd, every byte intact. Before, trio's listener stayed
     unregistered and its non-blocking connects on TCP (and its accept failed on every
     connection while smc-run's accept made another class than socket.socket)."""
     proc = programs.start([os.fspath(PYTHON), "-c", TRIO, "both", "4"])
@@ -403,7 +403,7 @@ def test_a_trio_program_connecting_to_itself_in_a_burst_gets_smcd(programs: Prog
 
 def test_trio_connects_cancelled_midway_leave_the_loop_working(programs: Programs) -> None:
     """trio connects cancelled at any point (during the TCP connect, trio closes the socket
-    still registered in its epoll for writing; during the handoff, in the worker thread):
+    still registered in its epoll for writing; during the handoff, waiting for smcd):
     the program goes on and its next connection works. The descriptor number of a closed
     socket that was registered for writing came back as an SMC connection's ``fileno()``,
     and smc-run's epoll, still counting the old registration, failed trio's loop with
