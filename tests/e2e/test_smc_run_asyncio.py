@@ -375,9 +375,9 @@ def test_trio_runs_over_smcd(programs: Programs) -> None:
     listener is registered when it listens, each accepted connection and each connect is
     handed off while the loop goes on (the task waits for smcd's answer), and the data then
     moves through trio's own send/recv on the channel: a server and 4 clients that write
-    while they read (up to 1 MB each way) all on smcd, every byte intact. Before, trio's listener stayed
-    unregistered and its non-blocking connects on TCP (and its accept failed on every
-    connection while smc-run's accept made another class than socket.socket)."""
+    while they read (up to 1 MB each way) all on smcd, every byte intact. Before, trio's
+    listener stayed unregistered and its non-blocking connects on TCP (and its accept failed
+    on every connection while smc-run's accept made another class than socket.socket)."""
     proc = programs.start([os.fspath(PYTHON), "-c", TRIO, "both", "4"])
     done = _line(proc, r"port (\d+) intact (\d+) of (\d+)", timeout=60)
     assert done.group(2) == done.group(3) == "4", done.group(0)
