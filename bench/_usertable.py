@@ -106,17 +106,23 @@ def below_bound(
     return limit
 
 
+def _each(
+    *limits: Callable[[UserResults], str | None],
+) -> Callable[[UserResults], str | None]:
+    """Every limit's text that applies, joined (None when none does)."""
+
+    def text(res: UserResults) -> str | None:
+        found = [t for limit in limits if (t := limit(res))]
+        return "; ".join(found) if found else None
+
+    return text
+
+
 def below_bounds(
     key: str, factor: float, bounds: tuple[tuple[str, str], ...]
 ) -> Callable[[UserResults], str | None]:
     """:func:`below_bound` for several bounds (key, name): each one the target time is below."""
-    checks = [below_bound(key, factor, bound, name) for bound, name in bounds]
-
-    def limit(res: UserResults) -> str | None:
-        found = [text for check in checks if (text := check(res))]
-        return "; ".join(found) if found else None
-
-    return limit
+    return _each(*(below_bound(key, factor, bound, name) for bound, name in bounds))
 
 
 def cpu_above(bound: str, limit_us: float) -> Callable[[UserResults], str | None]:
@@ -137,16 +143,6 @@ def rate_below(bound: str, limit: float) -> Callable[[UserResults], str | None]:
     def text(res: UserResults) -> str | None:
         b = _get(res, "bound", bound)
         return None if b is None or b >= limit else f"CPU allows {b:.0f}/s"
-
-    return text
-
-
-def _each(
-    *limits: Callable[[UserResults], str | None],
-) -> Callable[[UserResults], str | None]:
-    def text(res: UserResults) -> str | None:
-        found = [t for limit in limits if (t := limit(res))]
-        return "; ".join(found) if found else None
 
     return text
 
