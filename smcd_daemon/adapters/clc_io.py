@@ -60,6 +60,7 @@ __all__ = [
     "answer_too_late",
     "client_gave_up",
     "drive",
+    "drive_pair",
     "peek_proposal",
 ]
 
@@ -468,3 +469,85 @@ async def drive(
             with contextlib.suppress(Exception):
                 negotiation.abort("the handoff was cancelled")
         raise
+
+
+MISREAD = (
+    "the bytes read at one end of a same-host connection are not the CLC message its other "
+    "end wrote"
+)
+"""Why a half of :func:`drive_pair` fails when the stream does not carry what the daemon itself
+wrote into it (something else writes into the connection)."""
+
+
+async def _hand_over(step: Step, reader: Negotiation, tcp: BorrowedTcp) -> Step:
+    """The other end of the connection reads what ``step`` sent: exactly as many bytes (one
+    ``recv`` on loopback, where they are there once the ``send`` returned); when they are the
+    bytes sent, ``reader`` gets the message built for them, else a protocol violation."""
+    raw = step.data
+    try:
+        got = await tcp.read_exactly(len(raw), reader.timeout or 0.0)
+    except TimeoutError:
+        return reader.on_timeout()
+    except _Eof:
+        return reader.on_eof()
+    except OSError as e:
+        log.info("CLC: reading from %s failed: %s", tcp.peer, e)
+        return reader.on_eof()
+    if got == raw and len(step.send) == 1:
+        return reader.receive_message(step.send[0])
+    return reader.receive_message(MISREAD)
+
+
+async def drive_pair(
+    client: ClientNegotiation,
+    ctcp: BorrowedTcp,
+    server: ServerNegotiation,
+    stcp: BorrowedTcp,
+    first: Step,
+) -> tuple[SmcdLoopbackOutcome | FallbackOutcome, SmcdLoopbackOutcome | FallbackOutcome]:
+    """Both halves of one same-host connection, to both outcomes (the client's, the server's).
+
+    Each message goes through the TCP connection as with :func:`drive` (written at one end,
+    read back whole at the other), but the reading negotiator is given the message the writing
+    one built (:meth:`~smcd_daemon.protocol.negotiate.Negotiation.receive_message`) once the
+    bytes read are the bytes written: no framing, decoding, peeking or waiting for the loop
+    between the two halves. ``first`` is the client's ``start()``, a Proposal to send. A half
+    that ends without sending while the other still waits is, for the other, a peer that reset
+    the connection (the daemon resets it for such an ending, see ``handshake``); the server
+    half never sees a late Decline (:func:`client_gave_up`): its client is ours and here.
+    Cancelling aborts both negotiations."""
+    halves: tuple[tuple[Negotiation, BorrowedTcp], ...] = ((client, ctcp), (server, stcp))
+    outcomes: list[Outcome | None] = [None, None]
+    step, side = first, 0
+    try:
+        while True:
+            neg, tcp = halves[side]
+            if step.send:
+                failed = await _send(tcp, step, neg.clc_wait)
+                if failed is not None and step.outcome is None:
+                    step = neg.on_eof()
+                    continue
+                if failed is None and outcomes[1 - side] is None:
+                    outcomes[side] = step.outcome
+                    side = 1 - side
+                    step = await _hand_over(step, *halves[side])
+                    continue
+            if step.outcome is None:  # cannot happen with a correct negotiator
+                step = neg.abort("negotiator waits for nothing")
+                continue
+            outcomes[side] = step.outcome
+            other = halves[1 - side][0]
+            if outcomes[1 - side] is None and not other.done:
+                side, step = 1 - side, other.on_eof()
+                continue
+            break
+    except asyncio.CancelledError:
+        for neg, _ in halves:
+            if not neg.done:
+                with contextlib.suppress(Exception):
+                    neg.abort("the handoff was cancelled")
+        raise
+    cout, sout = client.outcome, server.outcome
+    assert isinstance(cout, SmcdLoopbackOutcome | FallbackOutcome)
+    assert isinstance(sout, SmcdLoopbackOutcome | FallbackOutcome)
+    return cout, sout

@@ -50,23 +50,32 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages as m
 from smc_handoff.handoff import reset as reset_tcp
 from smc_handoff.messages import ErrorCode
-from smcd_daemon.adapters.clc_io import BorrowedTcp, BorrowedTcpError, drive, peek_proposal
+from smcd_daemon.adapters.clc_io import (
+    BorrowedTcp,
+    BorrowedTcpError,
+    drive,
+    drive_pair,
+    peek_proposal,
+)
 from smcd_daemon.adapters.netns_view import dnat_target, local_in
 from smcd_daemon.adapters.ratelimit import FALLBACK_LOG_BURST, RateLimitedLog
 from smcd_daemon.adapters.tcp_identity import NetnsId, connection_identity, netns_name
 from smcd_daemon.core.handoff_pairs import IpAddress, Listener, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
+from smcd_daemon.errors import SmcError
 from smcd_daemon.protocol.negotiate import (
     ClientNegotiation,
     FallbackOutcome,
     NegotiationFacts,
     ServerNegotiation,
     SmcdLoopbackOutcome,
+    Step,
 )
 from smcd_daemon.transport.loopback import Endpoint, LoopbackSession, PairingError, endpoint
 from smcd_daemon.wire.cursor import Cursor
@@ -168,6 +177,22 @@ def _hung_up(sock: socket.socket) -> bool:
         return True
 
 
+HalfOutcome = SmcdLoopbackOutcome | FallbackOutcome
+
+
+@dataclass(eq=False)
+class _ServerHalf:
+    """A server half whose client half waits in this daemon: that client half runs the CLC of
+    both (:func:`~smcd_daemon.adapters.clc_io.drive_pair`) and sets ``outcome`` to this half's,
+    or to None when it does not (this half then runs its own, as any other)."""
+
+    client: Client
+    hint: int
+    tcp: PairedTcp
+    key: PairKey
+    outcome: asyncio.Future[HalfOutcome | None]
+
+
 class Handshakes:
     """CONNECT and ACCEPT, each to its reply (see the module docstring)."""
 
@@ -177,6 +202,8 @@ class Handshakes:
         self._ip_texts: dict[int, tuple[object, str, bool]] = {}
         self.arrivals = Arrivals()
         self._ns_names: dict[int, str] = {}
+        self._servers: dict[PairKey, _ServerHalf] = {}
+        """Server halves whose client half runs both CLC sides (:class:`_ServerHalf`)."""
         server.loopback.policy = self._may_pair
 
     def _netns(self, client: Client) -> NetnsId | None:
@@ -512,39 +539,83 @@ class Handshakes:
             if service is not None:
                 log.debug("handoff: trying SMC-R toward %s: %s", tcp.peer, why)
                 return await self._run_smcr(client, hint, tcp, service, server=False)
-        if ours:  # a same-host pair: propose only once the server half is here
-            srv.admission.park_handshake(client.uid)  # waiting for an accept() is no CLC work
-            try:
-                not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
-            finally:
-                srv.admission.unpark_handshake(client.uid)
-            if not_yet is not None:
-                return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
-            if _hung_up(client.sock):
-                # Its application closed the connection while it waited (a port check, or a
-                # close() that gave the handoff up): no CLC for nobody, and with the last copy
-                # of the TCP socket closed the server half reads TCP's EOF at once.
-                self.arrivals.unpropose(key)
-                detail = "the application closed the connection before its server half came"
-                return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
-            tcp.paired = True  # its server half answers on the loop turn we write on
-        session = srv.loopback.session(
-            client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
-        )
-        facts = self._facts(hint, peer_speaks_smc=why is not None)
-        if why is not None:
-            log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
-            try:
-                srv.loopback.pairing.register_client(tcp.local, tcp.peer, key=key)
-            except PairingError as e:
-                warn.warning("pairing", "handoff: %s; offering no device", e)
-                facts = dataclasses.replace(facts, loopback=None)
-        negotiation = ClientNegotiation(facts, session)
+        server: _ServerHalf | None = None
         try:
-            return await drive(negotiation, tcp, negotiation.start())
+            if ours:  # a same-host pair: propose only once the server half is here
+                srv.admission.park_handshake(client.uid)  # waiting for an accept() is no CLC work
+                try:
+                    not_yet = await self.arrivals.wait_server(key, srv.cfg.timeouts.clc_wait)
+                finally:
+                    srv.admission.unpark_handshake(client.uid)
+                    server = self._servers.pop(key, None)
+                if not_yet is not None:
+                    return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, not_yet)
+                if _hung_up(client.sock):
+                    # Its application closed the connection while it waited (a port check, or a
+                    # close() that gave the handoff up): no CLC for nobody, and with the last copy
+                    # of the TCP socket closed the server half reads TCP's EOF at once.
+                    self.arrivals.unpropose(key)
+                    detail = "the application closed the connection before its server half came"
+                    return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
+                tcp.paired = True  # its server half answers on the loop turn we write on
+            session = srv.loopback.session(
+                client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
+            )
+            facts = self._facts(hint, peer_speaks_smc=why is not None)
+            if why is not None:
+                log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
+                try:
+                    srv.loopback.pairing.register_client(tcp.local, tcp.peer, key=key)
+                except PairingError as e:
+                    warn.warning("pairing", "handoff: %s; offering no device", e)
+                    facts = dataclasses.replace(facts, loopback=None)
+            negotiation = ClientNegotiation(facts, session)
+            first = negotiation.start()
+            if server is not None and first.outcome is None and not server.outcome.done():
+                both, server = server, None
+                return await self._run_pair(negotiation, tcp, first, both)
+            if server is not None:  # it runs its own CLC: our Proposal is there when it looks
+                _settle(server.outcome, None)
+                server = None
+            try:
+                return await drive(negotiation, tcp, first)
+            finally:
+                with contextlib.suppress(PairingError):
+                    srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=key)
+        finally:
+            if server is not None:
+                _settle(server.outcome, None)
+
+    async def _run_pair(
+        self, negotiation: ClientNegotiation, tcp: PairedTcp, first: Step, server: _ServerHalf
+    ) -> HalfOutcome:
+        """Both halves of a same-host pair on this client half's turn (:func:`drive_pair`):
+        the server half gets its outcome through ``server.outcome``."""
+        srv = self._srv
+        owner = self._netns(server.client)
+        s_tcp = server.tcp
+        session = srv.loopback.session(server.client.uid, s_tcp.local, s_tcp.peer, server=True,
+                                       key=server.key, owner=owner)  # fmt: skip
+        s_neg = ServerNegotiation(self._facts(server.hint), session)
+        try:
+            mine, theirs = await drive_pair(negotiation, tcp, s_neg, s_tcp, first)
+        except BaseException:
+            server.outcome.cancel()
+            raise
         finally:
             with contextlib.suppress(PairingError):
-                srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=key)
+                srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=server.key)
+        if server.outcome.done():
+            # Its handoff ended while the two waited on a socket (the daemon stops, or it
+            # expired): nobody replies for it, and what it was granted goes back.
+            if isinstance(theirs, SmcdLoopbackOutcome):
+                with contextlib.suppress(SmcError):
+                    session.detach_dmb(theirs.peer_token)
+                with contextlib.suppress(SmcError):
+                    session.unregister_dmb(theirs.local_token)
+        else:
+            server.outcome.set_result(theirs)
+        return mine
 
     async def _run_server(
         self, client: Client, hint: int, tcp: PairedTcp, key: PairKey, proposing: bool = False
@@ -553,12 +624,25 @@ class Handshakes:
         step; one loop turn lets it write first, so the peek finds the Proposal at once (no
         wait registered, no timer, no wake-up)."""
         srv = self._srv
-        if proposing:
-            await asyncio.sleep(0)
         detected = srv.detection.peer_of_accepted(tcp.fd)
         if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
             detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
+        if proposing and self._smcr_toward(tcp, detected=detected) is not None:
+            await asyncio.sleep(0)  # our client half proposes on its next step: let it
+        elif proposing:
+            # Our client half runs both halves' CLC on its next step (:meth:`_run_pair`),
+            # unless it cannot: then it has written its Proposal when we look for it.
+            assert srv.loop is not None
+            half = _ServerHalf(client, hint, tcp, key, srv.loop.create_future())
+            self._servers[key] = half
+            try:
+                both = await half.outcome
+            finally:
+                if self._servers.get(key) is half:
+                    del self._servers[key]
+            if both is not None:
+                return self._no_smcr_said(tcp, both)
         # a client whose SYN carried the option sends CLC (a Proposal, or a Decline when it
         # falls back): wait for it as the kernel does, up to the CLC timer (#11)
         timeouts = srv.cfg.timeouts
@@ -607,8 +691,12 @@ class Handshakes:
         )
         tcp.paired = self.arrivals.proposed(key)  # our client half: it answers on our turn
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
+        return self._no_smcr_said(tcp, out)
+
+    def _no_smcr_said(self, tcp: BorrowedTcp, out: HalfOutcome) -> HalfOutcome:
+        """A server half's outcome, with why SMC-R was not tried when the Proposal wanted it
+        (only a Proposal with SMC-R is declined NOSMCRDEV/NOSMCDEV on this path)."""
         if isinstance(out, FallbackOutcome) and out.reason in _NO_RDMA_DECLINES and out.local:
-            # only a Proposal with SMC-R ends so on this path: say why SMC-R was not tried
             why = self._why_no_smcr(tcp)
             out = dataclasses.replace(out, detail=f"{why}, so SMC-R was not tried; {out.detail}")
         return out
@@ -687,6 +775,11 @@ class Handshakes:
             f"(quota.connections allows {quota.connections or 'any number'}, "
             f"quota.buffer_bytes {quota.buffer_bytes >> 10 if quota.buffer_bytes else 'any'} KiB)"
         )
+
+
+def _settle(fut: asyncio.Future[HalfOutcome | None], value: HalfOutcome | None) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _named(name: str, inode: int) -> bool:

@@ -34,7 +34,7 @@ from smcd_daemon.protocol.negotiate.outcome import (
     peer_decline_fallback,
     violation,
 )
-from smcd_daemon.wire.clc import ClcMessage, ClcType, Decline, Proposal
+from smcd_daemon.wire.clc import CLC_HEADER_LEN, ClcMessage, ClcType, Decline, Proposal
 from smcd_daemon.wire.reasons import DeclineReason
 
 __all__ = ["Ledger", "Negotiation", "State", "reason_of"]
@@ -233,6 +233,25 @@ class Negotiation:
         got = self._framer.feed(data, self._expect)
         if got is None:
             return Step()
+        return self._receive(got)
+
+    def receive_message(self, msg: ClcMessage | str) -> Step:
+        """As :meth:`receive_data` with a whole message already decoded, or a text that says
+        why the bytes read are no message (a protocol violation, as a malformed message).
+
+        For a driver that holds both ends of a same-host connection: it writes one end's
+        message, reads the same number of bytes at the other end and, when they are those very
+        bytes, gives this negotiator the message the other one built instead of decoding it
+        again (:func:`~smcd_daemon.adapters.clc_io.drive_pair`)."""
+        if self._state is not State.WAIT:
+            raise NegotiationError(f"not waiting for data (state {self._state.value})")
+        if self._framer.bytes_needed != CLC_HEADER_LEN:
+            raise NegotiationError("a message is half read")
+        if not isinstance(msg, str) and msg.TYPE not in (self._expect, ClcType.DECLINE):
+            msg = f"expected {self._expect.name} or DECLINE, got {msg.TYPE.name}"
+        return self._receive(msg)
+
+    def _receive(self, got: ClcMessage | str) -> Step:
         try:
             if isinstance(got, str):
                 raise violation(got)
