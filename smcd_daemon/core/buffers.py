@@ -152,15 +152,15 @@ class Dmb:
     accessors: set[int] = field(default_factory=set)
     """Every uid that was ever handed this memfd (owner or attacher)."""
     inode: int = 0
+    size: int = field(init=False)
+    """Bytes of the DMB proper (of ``size_comp``, which never changes: kept, not computed, as
+    every registration and release asks for it)."""
+    file_size: int = field(init=False)
+    """Bytes of the memfd: the DMB and the channel's control trailer after it."""
 
-    @property
-    def size(self) -> int:
-        return decompress(self.size_comp)
-
-    @property
-    def file_size(self) -> int:
-        """Bytes of the memfd: the DMB and the channel's control trailer after it."""
-        return self.size + CTRL_LEN
+    def __post_init__(self) -> None:
+        self.size = decompress(self.size_comp)
+        self.file_size = self.size + CTRL_LEN
 
     @property
     def ring_size(self) -> int:
@@ -312,12 +312,20 @@ class DmbPool:
         smaller class that the limits allow, down to ``min_size`` (default: the pool minimum).
         The owner holds the one reference. Raises :class:`DmbLimitError` or
         :class:`DmbMemoryError`."""
-        self._check_open()
-        if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
+        if self._closed:
+            raise DmbMemoryError("the DMB pool is closed")
+        if type(uid) is not int and (isinstance(uid, bool) or not isinstance(uid, int)):
             raise ValueError(f"uid must be a non-negative int, got {uid!r}")
-        want = min(max(compress_size(size), self.min_comp), self.max_comp)
-        floor = self.min_comp if min_size is None else max(self.min_comp, compress_size(min_size))
-        floor = min(floor, want)
+        if uid < 0:
+            raise ValueError(f"uid must be a non-negative int, got {uid!r}")
+        min_comp, want = self.min_comp, compress_size(size)
+        if want < min_comp:
+            want = min_comp
+        elif want > self.max_comp:
+            want = self.max_comp
+        floor = min_comp if min_size is None else max(min_comp, compress_size(min_size))
+        if floor > want:
+            floor = want
         last: DmbAllocationError | None = None
         for comp in range(want, floor - 1, -1):
             try:
@@ -337,16 +345,17 @@ class DmbPool:
             dmb.registered = True
             dmb.accessors.add(uid)
             self._by_token[dmb.token] = dmb
-            self._in_use_bytes += dmb.size
+            size = dmb.size
+            self._in_use_bytes += size
             self._in_use_buffers += 1
-            self._user_bytes[uid] = self._user_bytes.get(uid, 0) + dmb.size
+            self._user_bytes[uid] = self._user_bytes.get(uid, 0) + size
             self._user_buffers[uid] = self._user_buffers.get(uid, 0) + 1
             return dmb
         assert last is not None
         raise last
 
     def _check_limits(self, uid: int, comp: int) -> None:
-        size = decompress(comp)
+        size = SMC_BUF_MIN << comp  # decompress(comp): comp is one of the pool's classes
         if self.user_max_buffers and self._user_buffers.get(uid, 0) >= self.user_max_buffers:
             raise DmbLimitError(
                 f"uid {uid} already owns {self.user_max_buffers} DMBs (quota.connections)",
@@ -360,14 +369,14 @@ class DmbPool:
                 limit="user-bytes",
                 uid=uid,
             )
-        if self.in_use_buffers >= self.pool_max_buffers:
+        if self._in_use_buffers >= self.pool_max_buffers:
             raise DmbLimitError(
                 f"the pool already has {self.pool_max_buffers} DMBs in use "
                 "(buffers.pool_max_buffers)",
                 limit="pool-buffers",
                 uid=uid,
             )
-        if self.in_use_bytes + size > self.pool_max_bytes:
+        if self._in_use_bytes + size > self.pool_max_bytes:
             raise DmbLimitError(
                 f"DMBs in use would exceed {self.pool_max_bytes} bytes (buffers.pool_max_bytes)",
                 limit="pool-bytes",

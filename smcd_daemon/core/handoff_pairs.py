@@ -28,6 +28,7 @@ import enum
 import ipaddress
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from smcd_daemon.core.registry import ConnRole
 from smcd_daemon.errors import SmcError
@@ -71,8 +72,10 @@ class DmbOp(enum.Enum):
     DETACH = "detach"  # the half's reference on the peer's DMB
 
 
-@dataclass(frozen=True, slots=True)
-class DmbRelease:
+class DmbRelease(NamedTuple):
+    """One reference to give back. The effects are named tuples: immutable like frozen
+    dataclasses, built in one call instead of one per field (several per connection)."""
+
     op: DmbOp
     token: int
 
@@ -91,10 +94,9 @@ class Pair:
     """Halves that let go (hung up, or failed before their reply)."""
     pending: list[DmbRelease] = field(default_factory=list)
     """DMB releases of halves that let go while the pair could still be used."""
-
-    @property
-    def complete(self) -> bool:
-        return len(self.taken) == 2
+    complete: bool = False
+    """Both halves were sent their descriptors (:meth:`PairTable.hand_out` keeps it; asked
+    several times per connection, so kept rather than counted)."""
 
 
 @dataclass(eq=False)
@@ -117,24 +119,21 @@ class Half:
     closed: bool = False  # the application said CLOSE: its counters are final
 
 
-@dataclass(frozen=True, slots=True)
-class CloseLink:
+class CloseLink(NamedTuple):
     """Close the daemon's copy of ``role``'s peer-link end: that half has its own now."""
 
     pair: Pair
     role: ConnRole
 
 
-@dataclass(frozen=True, slots=True)
-class CloseShared:
+class CloseShared(NamedTuple):
     """Close the daemon's copies of the pair's eventfds and of every peer-link end it still
     holds, and stop waiting for a second half. Repeating it is harmless."""
 
     pair: Pair
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseDmbs:
+class ReleaseDmbs(NamedTuple):
     """Give these DMB references back to the pool (in order)."""
 
     releases: tuple[DmbRelease, ...]
@@ -194,11 +193,12 @@ class PairTable:
     def hand_out(self, pair: Pair, role: ConnRole) -> list[Effect]:
         """``role`` was sent its descriptors (or lost them with its connection): the daemon's
         copy of its link end goes; with both halves served, the shared copies go too."""
-        pair.taken.add(role)
-        effects: list[Effect] = [CloseLink(pair, role)]
-        if pair.complete:
-            effects.append(CloseShared(pair))
-        return effects
+        taken = pair.taken
+        taken.add(role)
+        if len(taken) == 2:
+            pair.complete = True
+            return [CloseLink(pair, role), CloseShared(pair)]
+        return [CloseLink(pair, role)]
 
     def drop(self, key: PairKey) -> list[Effect] | None:
         """Forget the pair under ``key`` whose second half will not come; None if there is none

@@ -13,7 +13,6 @@ the DMB memfds (in the pool) and the observer's views of their headers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -73,15 +72,21 @@ class PairFds:
     def close_link(self, role: ConnRole) -> None:
         fd = self.link.pop(role, None)
         if fd is not None:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (every connection's path: suppress() costs a context manager)
                 os.close(fd)
+            except OSError:
+                pass
 
     def close_shared(self) -> None:
         """Close the daemon's copies of the eventfds and any peer-link end not handed out (the
-        memfds belong to the pool)."""
+        memfds belong to the pool). Again (a pair's end repeats it): nothing to do."""
+        if not self.ev and not self.link:
+            return
         for fd in [*self.ev.values(), *self.link.values()]:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (every connection's path: suppress() costs a context manager)
                 os.close(fd)
+            except OSError:
+                pass
         self.ev.clear()
         self.link.clear()
 
@@ -245,12 +250,14 @@ class Channels:
 
     def _release_dmbs(self, releases: tuple[DmbRelease, ...]) -> None:
         pool = self._srv.pool
-        for rel in releases:
-            with contextlib.suppress(UnknownTokenError):
-                if rel.op is DmbOp.UNREGISTER:
-                    pool.unregister(rel.token)
+        for op, token in releases:
+            try:
+                if op is DmbOp.UNREGISTER:
+                    pool.unregister(token)
                 else:
-                    pool.detach(rel.token)
+                    pool.detach(token)
+            except UnknownTokenError:
+                pass
 
     def _count_channel(self, half: Half, draft: Draft, out: SmcdLoopbackOutcome) -> None:
         """A channel's record and link group (deferred: the reply did not wait for them)."""
@@ -304,7 +311,7 @@ class Channels:
                 srv.publisher.update(half.conn_id, state=ConnState.PEERCLOSEWAIT1)
             return
         # CLOSE: the hang-up follows at once and removes the record; only the counters matter.
-        srv.observer.refresh_half(half, publish=False)
+        srv.observer.last_counts(half)
         half.closed = True
 
     def hang_up(self, half: Half) -> None:
@@ -315,12 +322,13 @@ class Channels:
     def _release_record(self, half: Half) -> None:
         """A hung-up half's bookkeeping: last counters, record, DMBs, link group."""
         srv = self._srv
-        if not half.closed:
-            srv.observer.refresh_half(half, publish=False)
         conn = srv.publisher.remove(half.conn_id)
+        if conn is not None:
+            if not half.closed:
+                srv.observer.last_counts(half)
+            if conn.lgr_id is not None:
+                srv.publisher.maybe_free_lgr(conn.lgr_id)
         self.release(half)
-        if conn is not None and conn.lgr_id is not None:
-            srv.publisher.maybe_free_lgr(conn.lgr_id)
 
     def release(self, half: Half) -> None:
         """Let go of this half's DMB and its reference on the peer's; the pool takes a buffer

@@ -153,7 +153,7 @@ def advance(ring: int, old: tuple[int, int], new: tuple[int, int]) -> int:
 
 class DmbObserver:
     """Reads the CDC headers of live halves every :data:`REFRESH_INTERVAL` while there are any,
-    and once more when a half closes (its last counters)."""
+    and a half's own header once more when it closes (its last counters)."""
 
     def __init__(self, server: HandoffServer) -> None:
         self._srv = server
@@ -213,8 +213,8 @@ class DmbObserver:
         if self.aborted:
             self.aborted.intersection_update(halves)
 
-    def refresh_half(self, half: Half, *, publish: bool = True) -> None:
-        """Read both CDC headers of ``half``: counters always, the record if ``publish``."""
+    def refresh_half(self, half: Half) -> None:
+        """Read both CDC headers of ``half``: its record and the counters."""
         srv = self._srv
         pair = half.pair
         if pair is None or half.local_token is None or half.peer_token is None:
@@ -245,7 +245,7 @@ class DmbObserver:
                 self._abort(half, (rx_fd, tx_fd), fault)
                 return
         changes: dict[str, Any] = {}
-        if rx_hdr is not None and publish:
+        if rx_hdr is not None:
             prod, cons, flags = rx_hdr
             changes["rx_prod"] = Cursor(*prod)
             changes["tx_cons"] = Cursor(*cons)
@@ -256,8 +256,7 @@ class DmbObserver:
         sent = received = 0
         if tx_hdr is not None:
             prod, cons, _ = tx_hdr
-            if publish:
-                changes["tx_prod"], changes["rx_cons"] = Cursor(*prod), Cursor(*cons)
+            changes["tx_prod"], changes["rx_cons"] = Cursor(*prod), Cursor(*cons)
             sent = advance(half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod, prod)
             received = advance(half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons, cons)
             half.tx_prod, half.rx_cons = prod, cons
@@ -267,8 +266,34 @@ class DmbObserver:
             changes["bytes_received"] = conn.bytes_received + received
         if sent or received:
             srv.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
-        if changes and publish:
+        if changes:
             srv.publisher.update(half.conn_id, **changes)
+
+    def last_counts(self, half: Half) -> None:
+        """Count what ``half`` moved since the last refresh, once it is gone (its CLOSE, or its
+        hang-up whose record goes right after): the byte counters only. The bytes it sent and
+        received are both cursors of the one header it writes (its producer and consumer
+        cursors in the peer's DMB), so that header alone is read. No record is updated (it is
+        removed) and no cursor check runs: a half that is gone reads nothing more, and a live
+        peer's refresh checks the same two headers, both directions, while it lives."""
+        pair = half.pair
+        if pair is None or half.peer_token is None or half.local_token is None:
+            return  # released (or a resumed record: no DMBs of ours)
+        try:
+            words = self.view(self._srv.channels.memfds(pair)[half.peer_token]).words()
+        except (OSError, KeyError) as e:
+            warn.warning("dmb-headers", "handoff: connection %d: cannot read its DMB headers: %s",
+                         half.conn_id, e)  # fmt: skip
+            return
+        hdr = read_header(words)
+        if hdr is None:
+            return  # it never wrote
+        prod, cons, _ = hdr
+        sent = advance(half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod, prod)
+        received = advance(half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons, cons)
+        half.tx_prod, half.rx_cons = prod, cons
+        if sent or received:
+            self._srv.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
 
     def _abort(self, half: Half, fds: tuple[int, int], fault: Fault | None) -> None:
         """Abort ``half``'s connection for impossible cursors (again, when an application
