@@ -254,7 +254,11 @@ class ChannelBase:
             # A bare C socket: the kicks need nothing of the Python class.
             self._link = _CSocket(_AF_UNIX, _SOCK_SEQPACKET, 0, peer_link_fd)
             owned.remove(peer_link_fd)
-            self._link.setblocking(False)
+            # Every send and receive on the link says MSG_DONTWAIT, so the descriptor's own mode
+            # does not matter (an ioctl saved per channel), but a socket with a timeout (from
+            # socket.setdefaulttimeout) would make CPython poll before each of them.
+            if self._link.gettimeout() is not None:
+                self._link.setblocking(False)
         except BaseException:
             for fd in owned:
                 with contextlib.suppress(OSError):
@@ -542,9 +546,14 @@ class ChannelBase:
             link_watcher().remove(self._link_fd)
             LEVEL_FDS.discard(self._rx_efd)
         self._link.close()  # the peer sees POLLHUP
-        for fd in (self._rx_efd, self._tx_efd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        try:  # noqa: SIM105 (every connection's close: contextlib.suppress costs three calls)
+            os.close(self._rx_efd)
+        except OSError:
+            pass
+        try:  # noqa: SIM105
+            os.close(self._tx_efd)
+        except OSError:
+            pass
         for view in self._views:
             view.release()
         self._views.clear()
@@ -718,6 +727,8 @@ class ChannelBase:
         with self._sleep_lock:
             wake = self._sleeper_wake if self._link_sleeper else -1
             efd = self._efd_sleeper
+        if wake < 0 and not efd:  # (every close: nobody sleeps)
+            return
         with contextlib.suppress(OSError):
             if wake >= 0:
                 os.eventfd_write(wake, 1)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import select
@@ -61,7 +60,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from fcntl import ioctl as _ioctl  # the real one: smc-run wraps fcntl's (smc_handoff.run)
+from select import poll as _poll  # the real one: smc-run's readiness wraps select's
+from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages, peer_option
 from smc_handoff.messages import Fallback
@@ -88,6 +89,7 @@ __all__ = [
     "hand_over",
     "offer",
     "raise_nofile_limit",
+    "recv_reply",
     "reset",
     "unexpected",
 ]
@@ -103,6 +105,7 @@ CLC_EYECATCHERS = (b"\xe2\xd4\xc3\xd9", b"\xe2\xd4\xc3\xc4")
 _PEEK = int(_socket.MSG_PEEK) | int(_socket.MSG_DONTWAIT)
 _TCP = _socket.IPPROTO_TCP
 _TCP_INFO = struct.Struct("B119xQQ")  # tcpi_state .. tcpi_bytes_acked, tcpi_bytes_received
+_TCP_INFO_OPT = _socket.TCP_INFO
 _SIOCINQ = termios.FIONREAD
 _SIOCOUTQ = termios.TIOCOUTQ
 _INT = struct.Struct("i")
@@ -113,6 +116,9 @@ _TCP_REPAIR_OFF_NO_WP = -1
 _UNKNOWN = -1  # StreamMark.state when the kernel does not say
 _FIN_RECEIVED = frozenset({6, 8, 9, 11})  # TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING
 _BUSY_RETRY = 0.01
+_UNIX = int(_socket.AF_UNIX)
+_SEQPACKET_NONBLOCK = int(_socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC | _socket.SOCK_NONBLOCK)
+_POLLIN = select.POLLIN
 ACCEPT_BUSY_WAIT = 1.0
 """Seconds a server half retries a daemon whose handoff queue is full before it stays on TCP:
 the client half may be queued at the same daemon and propose later, which only the daemon
@@ -126,13 +132,36 @@ class NoDaemon(Exception):
     """No usable daemon at any candidate path; the message says why (for the fallback)."""
 
 
-def connect_daemon(timeout: float, busy_wait: float = 0.0) -> tuple[_socket.socket, int]:
+def connect_daemon(busy_wait: float = 0.0) -> tuple[_socket.socket, int]:
     """A SEQPACKET connection to a trusted daemon and the pid of whoever listens (the daemon,
     or systemd for an inherited socket), or :class:`NoDaemon`. A full listen queue (EAGAIN) is
-    retried for ``busy_wait`` seconds."""
+    retried for ``busy_wait`` seconds.
+
+    The connection is non-blocking: its first request never waits (a fresh connection's peer
+    has nothing queued), and a reply is waited for with :func:`recv_reply`. So the usual
+    connect costs no timeouts set on the socket (CPython's ``settimeout`` is an ioctl, and a
+    socket with a timeout polls before every send and receive): a ``SOCK_NONBLOCK`` socket
+    connects at once or fails with EAGAIN on a full queue, and only then is the wait below
+    set up."""
     problems = []
-    until = time.monotonic() + busy_wait
     for path in messages.handoff_socket_candidates():
+        address = os.fspath(path)
+        ctl = _BaseSocket(_UNIX, _SEQPACKET_NONBLOCK)
+        try:
+            ctl.connect(address)
+        except BlockingIOError:  # a full listen queue: wait for a slot (below)
+            ctl.close()
+        except OSError as e:
+            ctl.close()
+            problems.append(_problem(path, e))
+            continue
+        else:
+            try:
+                return ctl, _peer_pid(ctl, path)
+            except (OSError, NoDaemon) as e:
+                problems.append(_problem(path, e))
+                continue
+        until = time.monotonic() + busy_wait
         while True:
             ctl = _BaseSocket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
             try:
@@ -141,21 +170,51 @@ def connect_daemon(timeout: float, busy_wait: float = 0.0) -> tuple[_socket.sock
                 wait = max(until - time.monotonic(), 0.001)
                 tv = _TIMEVAL.pack(int(wait), int(wait % 1 * 1e6))
                 ctl.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, tv)
-                ctl.connect(os.fspath(path))
-                ctl.settimeout(timeout)
-                cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
-                pid, uid, _gid = _PEERCRED.unpack(cred)
-                if uid != 0 and uid != os.getuid():
-                    raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
+                ctl.connect(address)
+                ctl.setblocking(False)
+                pid = _peer_pid(ctl, path)
             except (OSError, NoDaemon) as e:
                 ctl.close()
                 if isinstance(e, BlockingIOError) and time.monotonic() + _BUSY_RETRY < until:
                     continue  # woken, and a flood took the slot: wait again
-                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
-                problems.append(f"{path}: {reason}")
+                problems.append(_problem(path, e))
                 break
             return ctl, pid
     raise NoDaemon("; ".join(problems) or "no handoff socket path")
+
+
+def _peer_pid(ctl: _socket.socket, path: object) -> int:
+    """The pid of the process listening at the other end of ``ctl``, once its uid is trusted
+    (root or ours); else :class:`NoDaemon` (``ctl`` closed)."""
+    try:
+        cred = ctl.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
+        pid, uid, _gid = _PEERCRED.unpack(cred)
+        if uid != 0 and uid != os.getuid():
+            raise NoDaemon(f"{path} is served by uid {uid} (pid {pid}), not root or us")
+    except BaseException:
+        ctl.close()
+        raise
+    return int(pid)
+
+
+def _problem(path: object, e: BaseException) -> str:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or repr(e)
+    return f"{path}: {reason}"
+
+
+def recv_reply(ctl: _socket.socket, timeout: float) -> tuple[messages.Message, list[int]]:
+    """:func:`messages.recv_message` of a reply on the non-blocking ``ctl`` (see
+    :func:`connect_daemon`), waiting for it at most ``timeout`` seconds (then
+    :class:`TimeoutError`, as a socket timeout says it)."""
+    deadline = time.monotonic() + timeout
+    poller = _poll()
+    poller.register(ctl, _POLLIN)
+    while timeout > 0 and poller.poll(timeout * 1000):
+        try:
+            return messages.recv_message(ctl, requests=False)
+        except BlockingIOError:  # (nothing after all: wait again)
+            timeout = deadline - time.monotonic()
+    raise TimeoutError("timed out")
 
 
 # --- what the kernel says about the stream ----------------------------------------------------
@@ -173,25 +232,29 @@ class StreamMark:
 
     @classmethod
     def take(cls, sock: _socket.socket) -> StreamMark:
-        """Read until two consecutive readings agree (an ACK or data landing between the
-        queries moves one reading); the last reading after eight tries."""
+        """Read ``TCP_INFO``, the two queues, and ``TCP_INFO`` again, until both ``TCP_INFO``
+        readings agree; the last reading after eight tries. Its two counters only grow (an ACK
+        raises ``tcpi_bytes_acked`` as it shrinks ``SIOCOUTQ``; arriving data raises
+        ``tcpi_bytes_received`` as it grows ``SIOCINQ``), so when neither moved around the
+        queries, nothing landed between them and the queues belong to those counts: four
+        system calls, where comparing two whole readings took six."""
         fd = _BaseSocket.fileno(sock)
-        getsockopt, ioctl, unpack, size = sock.getsockopt, fcntl.ioctl, _INT.unpack, _TCP_INFO.size
-        last = reading = (0, 0, 0)
-        for tries in range(8):
-            raw = getsockopt(_TCP, _socket.TCP_INFO, size)
-            if len(raw) < size:  # a kernel without the byte counts (before 4.2)
-                return cls(0, 0, _UNKNOWN)
-            state, acked, received = _TCP_INFO.unpack_from(raw)
+        getsockopt, ioctl, unpack, size = sock.getsockopt, _ioctl, _INT.unpack, _TCP_INFO.size
+        raw = getsockopt(_TCP, _TCP_INFO_OPT, size)
+        if len(raw) < size:  # a kernel without the byte counts (before 4.2)
+            return cls(0, 0, _UNKNOWN)
+        info = _TCP_INFO.unpack_from(raw)
+        for _tries in range(8):
             outq = unpack(ioctl(fd, _SIOCOUTQ, _INT0))[0]
             inq = unpack(ioctl(fd, _SIOCINQ, _INT0))[0]
-            # bytes_received counts the peer's FIN once it arrived; SIOCINQ never does
-            fin = 1 if state in _FIN_RECEIVED else 0
-            reading = (acked + outq, received - inq - fin, state)
-            if tries and reading == last:
+            again = _TCP_INFO.unpack_from(getsockopt(_TCP, _TCP_INFO_OPT, size))
+            if again == info:
                 break
-            last = reading
-        return cls(*reading)
+            info = again
+        state, acked, received = info
+        # bytes_received counts the peer's FIN once it arrived; SIOCINQ never does
+        fin = 1 if state in _FIN_RECEIVED else 0
+        return cls(acked + outq, received - inq - fin, state)
 
     def untouched_since(self, before: StreamMark) -> bool:
         """Nothing written or consumed since ``before``. False once the socket is closed (the
@@ -320,7 +383,7 @@ def _late_clc_nowait(sock: _socket.socket, head: bytes) -> None:
     else:
         want = max(int.from_bytes(head[5:7], "big"), 8)
     fd = _BaseSocket.fileno(sock)
-    if _INT.unpack(fcntl.ioctl(fd, _SIOCINQ, _INT0))[0] >= want:
+    if _INT.unpack(_ioctl(fd, _SIOCINQ, _INT0))[0] >= want:
         return
     now = time.monotonic()
     deadline = _late_waits.get(sock)
@@ -452,7 +515,7 @@ def exchange(
     ``precheck`` runs once a daemon answered, before anything is sent."""
     timeout = messages.handoff_timeout()
     try:
-        ctl, _pid = connect_daemon(timeout)
+        ctl, _pid = connect_daemon()
     except NoDaemon as e:
         return messages.daemon_unavailable(str(e))
     refusal = precheck() if precheck is not None else None
@@ -461,7 +524,7 @@ def exchange(
         return refusal
     try:
         messages.send_message(ctl, request, [fd])
-        reply, fds = messages.recv_message(ctl, requests=False)
+        reply, fds = recv_reply(ctl, timeout)
     except TimeoutError:
         ctl.close()
         return messages.daemon_unavailable(f"no reply to {what} within {timeout:g} s")
@@ -568,14 +631,18 @@ def offer(
     sock: _socket.socket,
     request: messages.Connect | messages.Accept,
     precheck: Callable[[], Fallback | None] | None = None,
+    *,
+    marked: bool = False,
 ) -> Offer | Fallback:
     """The first half of :func:`hand_over`: send the request with the descriptor and return
-    without waiting for the reply; or the fallback when the descriptor never left."""
-    what = request.TYPE.name
+    without waiting for the reply; or the fallback when the descriptor never left.
+    ``marked``: the client socket carries :data:`~smc_handoff.peer_option.HANDOFF_MARK`
+    already (smc-run set it before ``connect()``), so it is not set again."""
     server_side = isinstance(request, messages.Accept)
+    what = "ACCEPT" if server_side else "CONNECT"
     timeout = messages.handoff_timeout()
     try:
-        ctl, pid = connect_daemon(timeout, ACCEPT_BUSY_WAIT if server_side else 0.0)
+        ctl, pid = connect_daemon(ACCEPT_BUSY_WAIT if server_side else 0.0)
     except NoDaemon as e:
         return _unsent(sock, server_side, messages.daemon_unavailable(str(e)), what)
     refusal = precheck() if precheck is not None else None
@@ -583,9 +650,11 @@ def offer(
         ctl.close()
         return _unsent(sock, server_side, refusal, what)
     before = StreamMark.take(sock)
-    if not server_side:
-        with contextlib.suppress(OSError):
+    if not (server_side or marked):
+        try:  # noqa: SIM105 (every handoff: contextlib.suppress costs three calls more)
             _BaseSocket.setsockopt(sock, *peer_option.HANDOFF_MARK, 1)
+        except OSError:
+            pass
     try:
         messages.send_message(ctl, request, [_BaseSocket.fileno(sock)])
     except OSError as e:  # a SEQPACKET datagram is sent whole or not at all: nothing left
@@ -599,10 +668,10 @@ def answer(sock: _socket.socket, sent: Offer) -> Handed | Fallback:
     """The second half of :func:`hand_over`: wait for the reply to ``sent`` (the offer of
     ``sock``) and act on it."""
     ctl, before, timeout = sent.ctl, sent.before, sent.timeout
-    what = sent.request.TYPE.name
     server_side = isinstance(sent.request, messages.Accept)
+    what = "ACCEPT" if server_side else "CONNECT"
     try:
-        msg, fds = messages.recv_message(ctl, requests=False)
+        msg, fds = recv_reply(ctl, timeout)
     except TimeoutError:
         ctl.close()
         text = f"smcd: no reply to {what} within {timeout:g} s (the daemon still holds the socket)"
@@ -622,7 +691,7 @@ def answer(sock: _socket.socket, sent: Offer) -> Handed | Fallback:
             raise _abort(sock, errno.ECONNRESET, text) from None
         fallback = messages.daemon_unavailable(f"handoff connection failed during {what}: {e}")
         return _settle(sock, before, server_side, fallback, what)
-    reply = cast("messages.Reply", msg)  # recv_message(requests=False) returns only replies
+    reply: messages.Reply = msg  # type: ignore[assignment]  # (requests=False: only replies)
     if isinstance(reply, messages.Channel):
         return ctl, reply, fds
     ctl.close()
@@ -653,10 +722,12 @@ class ChannelState:
     """The program set ``O_NONBLOCK`` on ``fileno()`` itself (``fcntl``, ``os.set_blocking``):
     calls of a socket without a timeout then do not wait, as on a TCP socket's descriptor,
     until ``settimeout``/``setblocking`` sets the mode again."""
-    timeo: tuple[float, float] | None = None
-    """The TCP socket's ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` in seconds (0: none), which bound a
-    blocking call's wait (``SmcSocket._blocking_until``); None until a blocking call first
-    waits, and again after any ``SOL_SOCKET`` option is set."""
+    rcvtimeo: float | None = None
+    """The TCP socket's ``SO_RCVTIMEO`` in seconds (0: none), which bounds a blocking read's
+    wait (``SmcSocket._blocking_until``); None until a blocking read first waits, and again
+    after any ``SOL_SOCKET`` option is set."""
+    sndtimeo: float | None = None
+    """``SO_SNDTIMEO`` likewise, for a blocking send."""
     resumable: bool = True  # False once a daemon refused our RESUME: asking again changes nothing
     holders: int = 1  # socket objects sharing this connection (dup()): the last close closes it
     relay: int | None = None
@@ -723,7 +794,7 @@ class ChannelState:
                 ctl.close()
                 self.control = None
         try:
-            ctl, _pid = connect_daemon(0.2)
+            ctl, _pid = connect_daemon()
         except NoDaemon:
             return
         resume = messages.Resume(
@@ -736,7 +807,6 @@ class ChannelState:
             self.received,
         )
         try:
-            ctl.setblocking(False)
             messages.send_message(ctl, resume, [tcp_fd])
         except OSError:
             ctl.close()

@@ -168,6 +168,9 @@ class Mode(enum.IntEnum):
     SMCR = 2
 
 
+_MODES: dict[int, Mode] = {int(m): m for m in Mode}
+
+
 class Role(enum.IntEnum):
     CLIENT = 1
     SERVER = 2
@@ -189,6 +192,7 @@ FD_NAMES: Mapping[MessageType, tuple[str, ...]] = {
 
 
 _DMB_SIZES = frozenset(layout.DMB_SIZES)
+_CHANNEL_SIZES = frozenset(layout.CHANNEL_SIZES)
 
 
 def valid_dmb_size(size: int) -> bool:
@@ -214,6 +218,8 @@ def _check_size(name: str, value: int, *, zero_ok: bool) -> None:
 
 def _check_channel_size(name: str, value: int) -> None:
     """A channel's buffer: an SMC-D DMB size, or an SMC-R RMBE size + 32 (``layout``)."""
+    if type(value) is int and value in _CHANNEL_SIZES:  # the common case, first
+        return
     _check_uint(name, value, 32)
     if value not in layout.CHANNEL_SIZES:
         raise ValueError(f"{name} must be 16 KiB << n (n = 0..6), or that + 32 (SMC-R)")
@@ -456,7 +462,9 @@ class Channel:
     @classmethod
     def parse(cls, r: BodyReader) -> Channel:
         conn_id, mode, rx, tx = r.take("QBII")
-        return cls(conn_id, mode, rx, tx)  # type: ignore[arg-type]
+        # the member by a dict look (an enum call costs three Python calls); an unknown value
+        # stays a number, which __post_init__ refuses as Mode() does
+        return cls(conn_id, _MODES.get(mode, mode), rx, tx)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ falls back: the peer consumes it and falls back too, and the stream stays clean.
 from __future__ import annotations
 
 import _socket as _csocket
-import contextlib
 import errno
 import os
 import socket as _socket
@@ -35,6 +34,7 @@ __all__ = [
     "create_connection",
     "peer_waits_for_clc",
     "request_option",
+    "request_or_mark",
     "send_decline",
 ]
 
@@ -67,18 +67,32 @@ HANDOFF_MARK = (int(_socket.IPPROTO_IP), 24)  # IP_BIND_ADDRESS_NO_PORT
 """Without a detector, a socket that will be handed to smcd carries this instead: a same-host
 server half that sees no Proposal asks the kernel (``sock_diag``) whether its client's socket
 has it, and falls back at once for a plain client (the daemon's ``adapters/handoff_mark``).
-Set before ``connect()`` here and again before the CONNECT (``smc_handoff.wrap`` of a socket
-connected elsewhere): on a socket that is connected, or bound already, it changes nothing;
-before a later ``bind`` to port 0 it only defers the port's choice to ``connect()``."""
+Set before ``connect()`` here, and before the CONNECT on a socket that does not carry it yet
+(``smc_handoff.wrap`` of a socket connected elsewhere): on a socket that is connected, or
+bound already, it changes nothing; before a later ``bind`` to port 0 it only defers the
+port's choice to ``connect()``."""
 
 
 def request_option(sock: _socket.socket) -> bool:
     """Mark ``sock`` (TCP, not yet connected); True if a detector took the request. Never
     raises: ENOPROTOOPT (no detector, remembered for :data:`NO_DETECTOR_TTL`), EPERM (not an
     unconnected TCP socket) or anything else leave the socket as it was."""
+    return _request(sock) is _TOOK
+
+
+def request_or_mark(sock: _socket.socket) -> bool:
+    """:func:`request_option`; True when ``sock`` carries :data:`HANDOFF_MARK` now (no detector
+    took the request), so that the handoff need not set it again."""
+    return _request(sock) is _MARKED
+
+
+_TOOK, _MARKED, _NEITHER = "took", "marked", "neither"
+
+
+def _request(sock: _socket.socket) -> str:
     global _no_detector_until
     if _family_of(sock) not in _IP_FAMILIES or _type_of(sock) != _SOCK_STREAM:
-        return False
+        return _NEITHER
     if _no_detector_until and time.monotonic() < _no_detector_until:
         return _marked(sock)
     try:
@@ -88,14 +102,16 @@ def request_option(sock: _socket.socket) -> bool:
             _no_detector_until = time.monotonic() + NO_DETECTOR_TTL
         return _marked(sock)
     _no_detector_until = 0.0
-    return True
+    return _TOOK
 
 
-def _marked(sock: _socket.socket) -> bool:
+def _marked(sock: _socket.socket) -> str:
     """No detector took the request: put :data:`HANDOFF_MARK` on the socket instead."""
-    with contextlib.suppress(OSError):
+    try:  # (every connect: contextlib.suppress would cost three calls more)
         _setsockopt(sock, *HANDOFF_MARK, 1)
-    return False
+    except OSError:
+        return _NEITHER
+    return _MARKED
 
 
 def create_connection(

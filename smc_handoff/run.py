@@ -226,7 +226,7 @@ class AutoSocket(SmcSocket):
         """Ask for SMC's TCP option on the SYN of a socket an event loop connects without
         blocking and will then hand off (:mod:`smc_handoff.aio_loop`)."""
         if self.can_upgrade:
-            peer_option.request_option(self)
+            self._premarked = peer_option.request_or_mark(self)
 
     def _mark(self, address: Any) -> None:
         """Before ``connect()``: ask for SMC's TCP option on the SYN of a socket we will hand
@@ -235,7 +235,7 @@ class AutoSocket(SmcSocket):
         if not (_eligible(self) and self._smc is None):
             return
         if self.gettimeout() != 0:
-            peer_option.request_option(self)
+            self._premarked = peer_option.request_or_mark(self)
         elif _verbose and not self.loop_connects:
             report_tcp("connect", address, "a non-blocking connect of the program's own "
                        "event loop: smc-run hands off blocking connects, asyncio's and "

@@ -533,6 +533,8 @@ class SmcSocket(_BaseSocket):
     _smc: _Smc | None
     _fallback: Fallback | None
     _pending: _Pending | None = None
+    _premarked = False
+    """The socket carries ``peer_option.HANDOFF_MARK`` (smc-run set it before ``connect()``)."""
 
     def __init__(
         self,
@@ -704,7 +706,7 @@ class SmcSocket(_BaseSocket):
         super().setsockopt(level, optname, value, *optlen)
         smc = self._smc
         if smc is not None and level == _socket.SOL_SOCKET:
-            smc.timeo = None
+            smc.rcvtimeo = smc.sndtimeo = None
 
     # -- handoff -------------------------------------------------------------------------------
 
@@ -742,10 +744,13 @@ class SmcSocket(_BaseSocket):
         if not dmb_size:
             dmb_size = _rcvbuf_hint(self)
         request = messages.Accept(dmb_size) if server_side else messages.Connect(dmb_size)
+        keep = isinstance(timeout, _Keep)
         blocking = self.gettimeout() if isinstance(timeout, _Keep) else timeout
+        marked = self._premarked
         if defer is not None:
+            sent: Offer | Fallback | None = None
             try:
-                sent = offer(self, request, _channel_refused)
+                sent = offer(self, request, _channel_refused, marked=marked)
             except OSError as e:
                 if fail:
                     raise
@@ -753,7 +758,11 @@ class SmcSocket(_BaseSocket):
                 defer(self)
                 return
             finally:
-                self.settimeout(blocking)
+                # The daemon's copy shares O_NONBLOCK, which it may change at any time until it
+                # answers: _settle applies the mode again then, so a request that left needs
+                # it here only for a new timeout.
+                if not (keep and isinstance(sent, Offer)):
+                    self.settimeout(blocking)
             if isinstance(sent, Offer):  # (a fork reads the answer first: _load_channel)
                 self._pending = _Pending(sent, defer, server_side, fail)
                 _unsettled.add(self)
@@ -766,7 +775,7 @@ class SmcSocket(_BaseSocket):
             defer(self)
             return
         try:
-            sent = offer(self, request, _channel_refused)
+            sent = offer(self, request, _channel_refused, marked=marked)
             if isinstance(sent, Offer) and _channel_class is None:
                 _load_channel()  # while the daemon works on the request
             result = answer(self, sent) if isinstance(sent, Offer) else sent
@@ -931,19 +940,22 @@ class SmcSocket(_BaseSocket):
         The kernel's AF_SMC honours them as TCP does (``sock_rcvtimeo``/``sock_sndtimeo``):
         the call then fails with ``EAGAIN``, or returns what it moved. Only blocking calls: a
         socket timeout (``settimeout``) makes CPython poll a non-blocking descriptor, where
-        the kernel's never applies. Read once per connection, when a call first waits."""
-        timeo = smc.timeo
-        if timeo is None:
-            got = []
-            for opt in (_socket.SO_RCVTIMEO, _socket.SO_SNDTIMEO):
-                try:
-                    raw = _BaseSocket.getsockopt(self, _socket.SOL_SOCKET, opt, _TIMEVAL.size)
-                    sec, usec = _TIMEVAL.unpack(raw)
-                    got.append(sec + usec / 1e6)
-                except (OSError, struct.error):
-                    got.append(0.0)
-            timeo = smc.timeo = (got[0], got[1])
-        t = timeo[1] if sending else timeo[0]
+        the kernel's never applies. Each is read once per connection, when a call of its
+        direction first waits (a connection whose reads wait but whose sends never do, the
+        usual request and reply, asks the kernel once)."""
+        t = smc.sndtimeo if sending else smc.rcvtimeo
+        if t is None:
+            opt = _socket.SO_SNDTIMEO if sending else _socket.SO_RCVTIMEO
+            try:
+                raw = _BaseSocket.getsockopt(self, _socket.SOL_SOCKET, opt, _TIMEVAL.size)
+                sec, usec = _TIMEVAL.unpack(raw)
+                t = sec + usec / 1e6
+            except (OSError, struct.error):
+                t = 0.0
+            if sending:
+                smc.sndtimeo = t
+            else:
+                smc.rcvtimeo = t
         return time.monotonic() + t if t > 0 else None
 
     @staticmethod
