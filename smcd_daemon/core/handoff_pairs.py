@@ -28,7 +28,7 @@ import enum
 import ipaddress
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from smcd_daemon.core.registry import ConnRole
 from smcd_daemon.errors import SmcError
@@ -86,8 +86,9 @@ class Pair:
 
     key: PairKey
     tokens: tuple[int, int]  # (client DMB token, server DMB token)
-    res: object = None
-    """The adapter's descriptors (eventfds, peer-link ends, DMB memfds); never looked at here."""
+    res: Any = None
+    """The adapter's descriptors (eventfds, peer-link ends, DMB memfds); never looked at here
+    (typed by the adapter, which reads it several times per connection without a check)."""
     taken: set[ConnRole] = field(default_factory=set)
     """Halves that were sent their descriptors."""
     released: set[ConnRole] = field(default_factory=set)
@@ -177,7 +178,7 @@ class PairTable:
             raise PairMismatchError(f"pairing {key} does not match the tokens of this half")
         return pair
 
-    def open(self, key: PairKey, tokens: tuple[int, int], res: object = None) -> Pair:
+    def open(self, key: PairKey, tokens: tuple[int, int], res: Any = None) -> Pair:
         """Enter the pair of a first half (the adapter made its shared descriptors ``res``)."""
         if key in self._open:
             raise PairMismatchError(f"pairing {key} is already open")

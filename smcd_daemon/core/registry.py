@@ -294,6 +294,23 @@ def _counter_names() -> tuple[str, ...]:
 
 COUNTER_NAMES = _counter_names()
 
+_TECHS: dict[str, str] = {
+    SmcType.SMCD: "smcd", ConnMode.SMCD: "smcd", SmcType.SMCR: "smcr", ConnMode.SMCR: "smcr",
+}  # fmt: skip
+"""The counters' technology names (:meth:`Stats._tech` of the valid arguments)."""
+_BYTE_KEYS = {
+    kind: (f"{tech}.tx_bytes", f"{tech}.tx_calls", f"{tech}.rx_bytes", f"{tech}.rx_calls")
+    for kind, tech in _TECHS.items()
+}
+_CONNECTION_KEYS = {
+    (kind, role, version): f"{tech}.{role.value.lower()}.v{version}"
+    for kind, tech in _TECHS.items()
+    for role in ConnRole
+    for version in (1, 2)
+}
+"""The counter each valid (technology, role, version) of :meth:`Stats.count_connection` bumps:
+every connection's counters without building their names."""
+
 
 class Stats:
     """Counters as ``smcd stats`` shows them: SMC connections per technology, role and version,
@@ -322,10 +339,15 @@ class Stats:
 
     def count_connection(self, smc_type: SmcType | ConnMode, role: ConnRole, version: int) -> None:
         """An SMC connection was established with this technology and SMC version."""
-        if version not in (1, 2):
-            raise RegistryError(f"stats: SMC version {version!r} is not 1 or 2")
-        key = f"{self._tech(smc_type)}.{role.value.lower()}.v{version}"
-        self._bump({key: 1, "connections.total": 1})
+        key = _CONNECTION_KEYS.get((smc_type, role, version))
+        if key is None:
+            if version not in (1, 2):
+                raise RegistryError(f"stats: SMC version {version!r} is not 1 or 2")
+            key = f"{self._tech(smc_type)}.{role.value.lower()}.v{version}"
+        counters = self._counters
+        counters[key] += 1
+        counters["connections.total"] += 1
+        self._notify()
 
     def count_handshake_error(self, smc_type: SmcType | ConnMode, role: ConnRole) -> None:
         """A CLC/LLC handshake failed after the technology was chosen."""
@@ -346,14 +368,20 @@ class Stats:
         """Payload moved over SMC (one call per send/receive request)."""
         if tx < 0 or rx < 0:
             raise RegistryError("stats: byte counts cannot be negative")
-        tech = self._tech(smc_type)
-        delta: dict[str, int] = {}
+        keys = _BYTE_KEYS.get(smc_type)
+        if keys is None:
+            self._tech(smc_type)  # raises: not an SMC technology
+            return
+        if not tx and not rx:
+            return
+        counters = self._counters
         if tx:
-            delta |= {f"{tech}.tx_bytes": tx, f"{tech}.tx_calls": 1}
+            counters[keys[0]] += tx
+            counters[keys[1]] += 1
         if rx:
-            delta |= {f"{tech}.rx_bytes": rx, f"{tech}.rx_calls": 1}
-        if delta:
-            self._bump(delta)
+            counters[keys[2]] += rx
+            counters[keys[3]] += 1
+        self._notify()
 
     def reset(self) -> None:
         """Zero everything (``smcd stats reset``)."""
@@ -376,6 +404,8 @@ class Stats:
         self._notify()
 
     def _notify(self) -> None:
+        if not self._observers:
+            return
         for cb in tuple(self._observers):
             try:
                 cb()

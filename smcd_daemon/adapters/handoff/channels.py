@@ -13,6 +13,7 @@ the DMB memfds (in the pool) and the observer's views of their headers.
 
 from __future__ import annotations
 
+import _socket as _csocket
 import logging
 import os
 import socket
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Channels", "Draft", "PairFds"]
 
+_ROLE_NAMES = {ConnRole.CLIENT: "client", ConnRole.SERVER: "server"}
+"""The ledger's role names (``role.value.lower()`` without an enum property call per half)."""
+
 Draft = dict[str, Any]
 """Keyword arguments of a :class:`Connection` known before the handshake's outcome."""
 
@@ -91,12 +95,6 @@ class PairFds:
         self.link.clear()
 
 
-def pair_fds(pair: Pair) -> PairFds:
-    fds = pair.res
-    assert isinstance(fds, PairFds)
-    return fds
-
-
 class Channels:
     """SMC-D channels: their pairs (open to a second half) and their live halves."""
 
@@ -112,7 +110,8 @@ class Channels:
     @staticmethod
     def memfds(pair: Pair) -> dict[int, int]:
         """DMB token → the pool's memfd, for both DMBs of ``pair``."""
-        return pair_fds(pair).mem
+        fds: PairFds = pair.res
+        return fds.mem
 
     def reply(
         self,
@@ -140,7 +139,7 @@ class Channels:
             if pair is None:
                 pair = self._make_pair(key, tokens)
             self.pairs.join(half, pair)
-            fds = pair_fds(pair)
+            fds: PairFds = pair.res
             send_fds = [
                 fds.mem[out.local_token], fds.mem[out.peer_token],
                 fds.ev[role], fds.ev[other_role(role)], fds.link[role],
@@ -157,7 +156,7 @@ class Channels:
         # What a restarted daemon verifies this half's RESUME against (.ledger_io), written
         # before the reply: a daemon killed right after it must still know the channel.
         record = ChannelRecord(
-            conn_id, client.uid, role.value.lower(), half.rx_size, half.tx_size, draft["inode"],
+            conn_id, client.uid, _ROLE_NAMES[role], half.rx_size, half.tx_size, draft["inode"],
             f"{draft['local_addr']} {draft['local_port']}",
             f"{draft['peer_addr']} {draft['peer_port']}",
         )  # fmt: skip
@@ -194,7 +193,9 @@ class Channels:
             fds.append(ev_c)
             ev_s = os.eventfd(0, flags)
             fds.append(ev_s)
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            # The C sockets: only their descriptors are kept (socket.socketpair wraps each in a
+            # socket.socket, a Python object per end, to be detached again at once).
+            a, b = _csocket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             link_c, link_s = a.detach(), b.detach()
         except BaseException:
             m.close_fds(fds)
@@ -242,9 +243,11 @@ class Channels:
     def _apply(self, effects: list[Effect]) -> None:
         for eff in effects:
             if isinstance(eff, CloseLink):
-                pair_fds(eff.pair).close_link(eff.role)
+                fds: PairFds = eff.pair.res
+                fds.close_link(eff.role)
             elif isinstance(eff, CloseShared):
-                pair_fds(eff.pair).close_shared()
+                fds = eff.pair.res
+                fds.close_shared()
             else:
                 self._release_dmbs(eff.releases)
 
@@ -339,4 +342,5 @@ class Channels:
         """The server stops: close what the open pairs hold."""
         self._waiting.clear()
         for pair in self.pairs.clear():
-            pair_fds(pair).close_shared()
+            fds: PairFds = pair.res
+            fds.close_shared()

@@ -48,6 +48,8 @@ _HEADER_WORDS = layout.CDC_HEADER_LEN // 8
 _ABORT = int(ConnStateFlag.PEER_CONN_ABORT)
 _CLOSING = int(ConnStateFlag.PEER_CONN_CLOSED | ConnStateFlag.PEER_DONE_WRITING)
 _ABORT_BIT = _ABORT << layout.CSFLAGS_SHIFT
+_TYPE_SHIFT = 0 if sys.byteorder == "little" else 56  # the type byte, first in memory
+_WRAP_SHIFT, _COUNT_SHIFT = layout.WRAP_SHIFT, layout.COUNT_SHIFT
 
 Words = tuple[int, ...]
 Header = tuple[tuple[int, int], tuple[int, int], int]
@@ -97,6 +99,21 @@ class DmbView:
         if self._addr is None:
             raise ValueError("the DMB view is closed")
         return tuple(self._words)
+
+    def cursors(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """(producer, consumer) cursors of this header as (wrap, count), each word loaded
+        whole; None before its writer's first CDC write. What :func:`read_header` gives of
+        :meth:`words`, in one call (a half's last counters read one header this way)."""
+        if self._addr is None:
+            raise ValueError("the DMB view is closed")
+        w = self._words
+        if w[layout.W_TYPE] >> _TYPE_SHIFT & 0xFF != CDC_MSG_TYPE:
+            return None  # nothing written yet
+        prod, cons = w[layout.W_PROD], w[layout.W_CONS]
+        return (
+            (prod >> _WRAP_SHIFT & 0xFFFF, prod >> _COUNT_SHIFT & 0xFFFFFFFF),
+            (cons >> _WRAP_SHIFT & 0xFFFF, cons >> _COUNT_SHIFT & 0xFFFFFFFF),
+        )
 
     def close(self) -> None:
         if self._addr is not None and _libc is not None:
@@ -280,17 +297,27 @@ class DmbObserver:
         if pair is None or half.peer_token is None or half.local_token is None:
             return  # released (or a resumed record: no DMBs of ours)
         try:
-            words = self.view(self._srv.channels.memfds(pair)[half.peer_token]).words()
+            fd = pair.res.mem[half.peer_token]  # the peer's DMB: this half's header in it
+            view = self._views.get(fd)
+            if view is None:
+                view = self._views[fd] = DmbView(fd)
+            cursors = view.cursors()
         except (OSError, KeyError) as e:
             warn.warning("dmb-headers", "handoff: connection %d: cannot read its DMB headers: %s",
                          half.conn_id, e)  # fmt: skip
             return
-        hdr = read_header(words)
-        if hdr is None:
+        if cursors is None:
             return  # it never wrote
-        prod, cons, _ = hdr
-        sent = advance(half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod, prod)
-        received = advance(half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons, cons)
+        prod, cons = cursors
+        # advance() of both, inline (every connection's end)
+        ring, old = half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod
+        sent = ((prod[0] - old[0]) & 0xFFFF) * ring + prod[1] - old[1]
+        if not 0 <= sent < 0x8000 * ring:
+            sent = 0
+        ring, old = half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons
+        received = ((cons[0] - old[0]) & 0xFFFF) * ring + cons[1] - old[1]
+        if not 0 <= received < 0x8000 * ring:
+            received = 0
         half.tx_prod, half.rx_cons = prod, cons
         if sent or received:
             self._srv.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
