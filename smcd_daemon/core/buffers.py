@@ -236,17 +236,19 @@ class _RandomTokens:
     """64-bit tokens from the kernel's CSPRNG, drawn 512 at a time: every handoff registers
     two DMBs, and one ``getrandom`` per token was a system call of each."""
 
+    DRAW = 512
+
     def __init__(self) -> None:
-        self._pool = b""
-        self._pos = 0
+        self._words = memoryview(b"").cast("Q")  # the draw as 64-bit words (native order)
+        self._next = self.DRAW
 
     def __call__(self) -> int:
-        pos = self._pos
-        if pos >= len(self._pool):
-            self._pool = os.urandom(4096)
-            pos = 0
-        self._pos = pos + 8
-        return int.from_bytes(self._pool[pos : pos + 8], "little")
+        i = self._next
+        if i >= self.DRAW:
+            self._words = memoryview(os.urandom(8 * self.DRAW)).cast("Q")
+            i = 0
+        self._next = i + 1
+        return self._words[i]
 
 
 class DmbPool:
@@ -318,12 +320,16 @@ class DmbPool:
             raise ValueError(f"uid must be a non-negative int, got {uid!r}")
         if uid < 0:
             raise ValueError(f"uid must be a non-negative int, got {uid!r}")
-        min_comp, want = self.min_comp, compress_size(size)
+        # compress_size() of both sizes, inline (two calls each, twice per connection)
+        min_comp = self.min_comp
+        want = ((size - 1) // SMC_BUF_MIN).bit_length() if size > SMC_BUF_MIN else 0
         if want < min_comp:
             want = min_comp
         elif want > self.max_comp:
             want = self.max_comp
-        floor = min_comp if min_size is None else max(min_comp, compress_size(min_size))
+        floor = min_comp
+        if min_size is not None and min_size > SMC_BUF_MIN:
+            floor = max(min_comp, ((min_size - 1) // SMC_BUF_MIN).bit_length())
         if floor > want:
             floor = want
         last: DmbAllocationError | None = None

@@ -33,6 +33,7 @@ from smcd_daemon.core.handoff_pairs import (
     Pair,
     PairKey,
     PairTable,
+    ReleaseDmbs,
     other_role,
 )
 from smcd_daemon.core.registry import (
@@ -242,14 +243,15 @@ class Channels:
 
     def _apply(self, effects: list[Effect]) -> None:
         for eff in effects:
-            if isinstance(eff, CloseLink):
-                fds: PairFds = eff.pair.res
-                fds.close_link(eff.role)
-            elif isinstance(eff, CloseShared):
-                fds = eff.pair.res
-                fds.close_shared()
-            else:
-                self._release_dmbs(eff.releases)
+            match eff:  # class patterns check the type without a call to isinstance each
+                case CloseLink(pair, role):
+                    fds: PairFds = pair.res
+                    fds.close_link(role)
+                case CloseShared(pair):
+                    fds = pair.res
+                    fds.close_shared()
+                case ReleaseDmbs(releases):
+                    self._release_dmbs(releases)
 
     def _release_dmbs(self, releases: tuple[DmbRelease, ...]) -> None:
         pool = self._srv.pool
