@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, overload
+from typing import Any, Literal, Protocol, overload
 
 from smcd_daemon.adapters.fdwatch import fd_watch
 from smcd_daemon.errors import SmcError
@@ -85,6 +86,11 @@ def _wake(fut: asyncio.Future[bool], ready: bool) -> None:
         fut.set_result(ready)
 
 
+def _stopped(fut: asyncio.Future[bool], _stop: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
 class BorrowedTcp:
     """Our copy of an application's connected TCP socket, for the duration of one handshake.
 
@@ -133,7 +139,9 @@ class BorrowedTcp:
 
     # -- readiness --------------------------------------------------------------------------
 
-    async def _wait(self, *, write: bool, timeout: float) -> bool:
+    async def _wait(
+        self, *, write: bool, timeout: float, stop: asyncio.Future[Any] | None = None
+    ) -> bool:
         """Wait until the socket is readable/writable; False on timeout. (One future and one
         timer handle: cheaper than ``asyncio.timeout``, and this runs on every handshake.)
 
@@ -151,10 +159,14 @@ class BorrowedTcp:
                 self._reading = True
             self._reader = fut
         timer = loop.call_later(max(timeout, 0.0), _wake, fut, False)
+        if stop is not None:
+            stop.add_done_callback(fut_waker := functools.partial(_stopped, fut))
         try:
             return await fut
         finally:
             timer.cancel()
+            if stop is not None:
+                stop.remove_done_callback(fut_waker)
             if write:
                 loop.remove_writer(self.fd)
             else:
@@ -170,11 +182,15 @@ class BorrowedTcp:
 
     # -- I/O ----------------------------------------------------------------------------------
 
-    async def peek(self, n: int, timeout: float) -> bytes | None:
+    async def peek(
+        self, n: int, timeout: float, stop: asyncio.Future[Any] | None = None
+    ) -> bytes | None:
         """Up to ``n`` bytes without consuming them, as soon as at least one arrived (b"" at
-        EOF); None when nothing arrived within ``timeout``."""
+        EOF); None when nothing arrived within ``timeout``, or once ``stop`` is done."""
         deadline = time.monotonic() + timeout
         while True:
+            if stop is not None and stop.done():
+                return None
             try:
                 return self.sock.recv(n, _PEEK)
             except (BlockingIOError, InterruptedError):
@@ -183,7 +199,7 @@ class BorrowedTcp:
                 if e.errno in _EOF_ERRNOS:
                     return b""
                 raise
-            if not await self._wait(write=False, timeout=deadline - time.monotonic()):
+            if not await self._wait(write=False, timeout=deadline - time.monotonic(), stop=stop):
                 return None
 
     async def read_exactly(self, n: int, timeout: float) -> bytes:
@@ -258,14 +274,17 @@ class PeekResult:
     waited: float
 
 
-async def peek_proposal(tcp: BorrowedTcp, wait: float) -> PeekResult:
+async def peek_proposal(
+    tcp: BorrowedTcp, wait: float, stop: asyncio.Future[Any] | None = None
+) -> PeekResult:
     """Server half: look for a CLC eyecatcher in the client's first bytes without consuming any,
-    waiting at most ``wait`` seconds in all (a partial eyecatcher keeps waiting for the rest)."""
+    waiting at most ``wait`` seconds in all (a partial eyecatcher keeps waiting for the rest),
+    and no longer once ``stop`` is done ("silent": the caller knows why it stopped)."""
     start = time.monotonic()
     deadline = start + wait
     while True:
         left = deadline - time.monotonic()
-        head = await tcp.peek(4, max(left, 0.0))
+        head = await tcp.peek(4, max(left, 0.0), stop)
         waited = time.monotonic() - start
         if head is None:
             return PeekResult("silent", waited)

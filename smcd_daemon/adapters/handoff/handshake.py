@@ -59,6 +59,7 @@ from smc_handoff.messages import ErrorCode
 from smcd_daemon.adapters.clc_io import (
     BorrowedTcp,
     BorrowedTcpError,
+    PeekResult,
     drive,
     drive_pair,
     peek_proposal,
@@ -628,21 +629,20 @@ class Handshakes:
         if detected is False:  # the kernel's smc_listen_work without syn_smc: no wait
             detail = "the client's SYN carried no SMC TCP option (RFC 7609): a plain TCP client"
             return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
-        if proposing and self._smcr_toward(tcp, detected=detected) is not None:
-            await asyncio.sleep(0)  # our client half proposes on its next step: let it
-        elif proposing:
-            # Our client half runs both halves' CLC on its next step (:meth:`_run_pair`),
-            # unless it cannot: then it has written its Proposal when we look for it.
+        half: _ServerHalf | None = None
+        if self._smcr_toward(tcp, detected=detected) is None:
+            # Our client half, here or still to come, runs both halves' CLC (:meth:`_run_pair`);
+            # when it cannot, it has written its Proposal by the time we look for it.
             assert srv.loop is not None
             half = _ServerHalf(client, hint, tcp, key, srv.loop.create_future())
             self._servers[key] = half
-            try:
-                both = await half.outcome
-            finally:
-                if self._servers.get(key) is half:
-                    del self._servers[key]
+        elif proposing:
+            await asyncio.sleep(0)  # our client half proposes on its next step: let it
+        if half is not None and proposing:  # it takes us on its next step, whatever it does
+            both = await self._taken(half)
             if both is not None:
                 return self._no_smcr_said(tcp, both)
+            half = None
         # a client whose SYN carried the option sends CLC (a Proposal, or a Decline when it
         # falls back): wait for it as the kernel does, up to the CLC timer (#11)
         timeouts = srv.cfg.timeouts
@@ -651,7 +651,10 @@ class Handshakes:
         if local and timeouts.local_client_wait < wait:
             wait = timeouts.local_client_wait
         if local and wait > UNMARKED_GRACE:
-            seen = await peek_proposal(tcp, UNMARKED_GRACE)
+            first = await self._peek(tcp, UNMARKED_GRACE, half)
+            if not isinstance(first, PeekResult):
+                return self._no_smcr_said(tcp, first)
+            seen = first
             if seen.kind == "silent":
                 if not self.arrivals.proposed(key) and self._plain_local_client(tcp):
                     return FallbackOutcome(
@@ -659,7 +662,10 @@ class Handshakes:
                     )
                 seen = await peek_proposal(tcp, wait - seen.waited)
         else:
-            seen = await peek_proposal(tcp, wait)
+            first = await self._peek(tcp, wait, half)
+            if not isinstance(first, PeekResult):
+                return self._no_smcr_said(tcp, first)
+            seen = first
         if seen.kind == "silent" and local:
             # A client half whose CONNECT the loop read in the turn our timer fired starts on
             # the next turn: let it, so that a stalled loop does not cost that pair its SMC.
@@ -692,6 +698,36 @@ class Handshakes:
         tcp.paired = self.arrivals.proposed(key)  # our client half: it answers on our turn
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
         return self._no_smcr_said(tcp, out)
+
+    async def _taken(self, half: _ServerHalf) -> HalfOutcome | None:
+        """A server half waits for the client half that takes it (:meth:`_run_client`): its
+        outcome, or None when that one proposes by itself."""
+        try:
+            return await half.outcome
+        finally:
+            if self._servers.get(half.key) is half:
+                del self._servers[half.key]
+
+    async def _peek(
+        self, tcp: PairedTcp, wait: float, half: _ServerHalf | None
+    ) -> PeekResult | HalfOutcome:
+        """:func:`peek_proposal` for a server half that our client half may take meanwhile
+        (``half``, registered): then that half's outcome, unless the client proposed by
+        itself. Once the look ends otherwise, no client half takes it any more."""
+        if half is None:
+            return await peek_proposal(tcp, wait)
+        try:
+            seen = await peek_proposal(tcp, wait, half.outcome)
+        finally:
+            taken = self._servers.get(half.key) is not half
+            if not taken:
+                del self._servers[half.key]
+        if not taken:
+            return seen
+        both = await half.outcome  # done, but for a pair still waiting on a socket
+        if both is not None:
+            return both
+        return await peek_proposal(tcp, max(wait - seen.waited, 0.0))  # its Proposal is there
 
     def _no_smcr_said(self, tcp: BorrowedTcp, out: HalfOutcome) -> HalfOutcome:
         """A server half's outcome, with why SMC-R was not tried when the Proposal wanted it

@@ -1,0 +1,89 @@
+"""A same-host pair runs its CLC as one (``clc_io.drive_pair``) whichever half reaches the daemon
+first: the client half parked for its server half, or the server half already looking for the
+Proposal when its client half comes. Both end on SMC with their stream intact, and a handoff
+server whose client half cannot take its server half (SMC-R tried) still gets there alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smc_handoff
+from smc_handoff.handoff import Registration
+from smcd_daemon.adapters import clc_io
+from smcd_daemon.adapters.handoff import HandoffServer, handshake
+from smcd_daemon.core.eid import EidTable
+
+
+async def wrap(sock: socket.socket, *args: Any) -> Any:
+    return await asyncio.to_thread(smc_handoff.wrap, sock, *args)
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{what} did not happen")
+
+
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, server_first: bool) -> int:
+    """One connection handed over in the given order; how many pair drives ran."""
+    path = tmp_path / "handoff.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(path))
+    pairs: list[int] = []
+    real = clc_io.drive_pair
+
+    async def counted(*args: Any) -> Any:
+        pairs.append(1)
+        return await real(*args)
+
+    monkeypatch.setattr(handshake, "drive_pair", counted)
+
+    async def main() -> None:
+        srv = HandoffServer.bind(path, eids=EidTable(("SMCD-PAIR-ORDER",)))
+        srv.start()
+        hs = srv.handshakes
+        listener = socket.create_server(("127.0.0.1", 0))
+        try:
+            reg = await asyncio.to_thread(Registration, listener)
+            assert reg.listener_id is not None
+            ctcp = socket.create_connection(listener.getsockname())
+            stcp, _ = listener.accept()
+            if server_first:
+                server = asyncio.create_task(wrap(stcp, True))
+                await _until(lambda: bool(hs._servers), "the server half's arrival")
+                client = asyncio.create_task(wrap(ctcp))
+            else:
+                client = asyncio.create_task(wrap(ctcp))
+                await _until(lambda: len(hs.arrivals) > 0, "the client half's arrival")
+                server = asyncio.create_task(wrap(stcp, True))
+            c, s = await client, await server
+            assert (c.mode, s.mode) == ("smcd", "smcd"), (c.fallback, s.fallback)
+            await asyncio.to_thread(c.sendall, b"ping")
+            assert await asyncio.to_thread(s.recv, 16) == b"ping"
+            await asyncio.to_thread(s.sendall, b"pong")
+            assert await asyncio.to_thread(c.recv, 16) == b"pong"
+            assert not hs._servers  # nothing left behind
+            c.close()
+            s.close()
+            reg.close()
+        finally:
+            listener.close()
+            await srv.stop()
+
+    asyncio.run(main())
+    return len(pairs)
+
+
+@pytest.mark.parametrize("server_first", [False, True], ids=["client-first", "server-first"])
+def test_either_arrival_order_runs_the_pair_as_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server_first: bool
+) -> None:
+    assert _run(tmp_path, monkeypatch, server_first=server_first) == 1
