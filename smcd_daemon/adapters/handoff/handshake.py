@@ -598,6 +598,7 @@ class Handshakes:
         session = srv.loopback.session(server.client.uid, s_tcp.local, s_tcp.peer, server=True,
                                        key=server.key, owner=owner)  # fmt: skip
         s_neg = ServerNegotiation(self._facts(server.hint), session)
+        tcp.paired = s_tcp.paired = False  # no loop turn for an answer: we write it ourselves
         try:
             mine, theirs = await drive_pair(negotiation, tcp, s_neg, s_tcp, first)
         except BaseException:
