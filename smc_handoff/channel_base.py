@@ -43,7 +43,6 @@ from smc_handoff.layout import (
     W_PROD,
     W_TYPE,
     WRAP_SHIFT,
-    check_channel_size,
     create_dmb,
 )
 from smc_handoff.wakeup import (
@@ -244,9 +243,7 @@ class ChannelBase:
                 raise ChannelUnsupportedError(
                     errno.EOPNOTSUPP, "shared-memory channel needs a TSO CPU (x86-64, s390x)"
                 )
-            check_channel_size(rx_size)
-            check_channel_size(tx_size)
-            rx_mm = layout.map_dmb(rx_dmb_fd, rx_size)
+            rx_mm = layout.map_dmb(rx_dmb_fd, rx_size)  # (each checks its size first)
             tx_mm = layout.map_dmb(tx_dmb_fd, tx_size)
             _set_blocking(rx_eventfd, False)
             # Family and type given: the daemon's (and make_pair's) link is always an AF_UNIX

@@ -829,7 +829,7 @@ class Registration:
     def __init__(self, listener: _socket.socket) -> None:
         self._listener = listener
         self._control: _socket.socket | None = None
-        self._hangup = select.poll()  # watches _control (used under _lock)
+        self._hangup = _poll()  # watches _control (used under _lock)
         self.listener_id: int | None = None
         self.fallback: Fallback | None = None
         self._next_try = 0.0
@@ -847,7 +847,7 @@ class Registration:
         messages.close_fds(fds)
         if isinstance(reply, messages.Ok):
             self._control, self.listener_id, self.fallback = ctl, reply.ident, None
-            self._hangup = select.poll()
+            self._hangup = _poll()
             self._hangup.register(ctl, select.POLLIN)
             log.debug("listener %d registered", reply.ident)
             return

@@ -811,7 +811,8 @@ class SmcSocket(_BaseSocket):
             finally:
                 self._pending = None
                 _unsettled.discard(self)
-                _unsettled_accepts.discard(self)
+                if pending.server_side:
+                    _unsettled_accepts.discard(self)
         pending.done(self)
         return self._smc
 
@@ -848,7 +849,8 @@ class SmcSocket(_BaseSocket):
             ctl.close()
             self._pending = None
             _unsettled.discard(self)
-            _unsettled_accepts.discard(self)
+            if pending.server_side:
+                _unsettled_accepts.discard(self)
             self._fallback = _CLOSED_UNANSWERED
         pending.done(self)
         return True
@@ -990,6 +992,8 @@ class SmcSocket(_BaseSocket):
 
     def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
         smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is None and self._pending is not None:
+            smc = self._live()  # a deferred handoff's first use settles it: then the fast path
         if smc is not None and nbytes is _ZERO and flags is _ZERO and not smc.rd_shut:
             ch = smc.channel
             lock = ch.rx_lock
@@ -1386,6 +1390,8 @@ class SmcSocket(_BaseSocket):
 
     def send(self, data: Buffer, flags: int = 0) -> int:
         smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is None and self._pending is not None:
+            smc = self._live()  # a deferred handoff's first use settles it: then the fast path
         if smc is not None and flags is _ZERO:
             lock = smc.channel.tx_lock
             if lock.acquire(False):  # (another thread sending: the long way waits its turn)
@@ -1427,6 +1433,8 @@ class SmcSocket(_BaseSocket):
 
     def sendall(self, data: Buffer, flags: int = 0) -> None:
         smc = self._smc  # None once closed: then _live() below raises EBADF
+        if smc is None and self._pending is not None:
+            smc = self._live()  # a deferred handoff's first use settles it: then the fast path
         if smc is not None and flags is _ZERO:
             lock = smc.channel.tx_lock
             if lock.acquire(False):  # (another thread sending: the long way waits its turn)
