@@ -28,7 +28,11 @@ Admission
     (:mod:`.predecline`).
 Same-host pairs
     Toward a listener registered here the client half proposes only once the server half is in
-    the daemon (:mod:`.arrivals`); otherwise it falls back before any CLC byte.
+    the daemon (:mod:`.arrivals`); otherwise it falls back before any CLC byte. With both
+    halves here, the client half runs the CLC of both (:func:`..clc_io.drive_pair`: every
+    message through the TCP connection, no peek and no decoding of what smcd itself wrote),
+    whichever half arrived first: a server half registers itself while it waits or looks for
+    the Proposal, and the client half that comes takes it.
 FALLBACK
     With the negotiator's reason (kernel codes; PEERDECL plus the peer's diagnosis when the peer
     declined). Past a quota: SMC_CLC_DECL_MAX_DMB, with the user's usage and the quota keys.
