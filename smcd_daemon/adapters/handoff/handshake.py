@@ -134,6 +134,8 @@ class PairedTcp(BorrowedTcp):
 
     paired = False
     _answer_due = False
+    ends: tuple[Endpoint, Endpoint]
+    """``(local, peer)`` normalised once (:func:`endpoint`), for everything that compares them."""
 
     async def write_all(self, data: bytes, timeout: float) -> None:
         await super().write_all(data, timeout)
@@ -328,10 +330,10 @@ class Handshakes:
         self._ip_texts[id(ip)] = (ip, text, lo)
         return text, lo
 
-    def _new_connection(self, client: Client, role: ConnRole, tcp: BorrowedTcp) -> Draft:
+    def _new_connection(self, client: Client, role: ConnRole, tcp: PairedTcp) -> Draft:
         """The fields of a handoff's registry record known up front; the record itself is
         built once, when the outcome is known (one object, one event)."""
-        local, peer = endpoint(tcp.local), endpoint(tcp.peer)
+        local, peer = tcp.ends
         cred = client.cred
         peer_text, peer_lo = self._ip_text(peer[0])
         return {
@@ -374,11 +376,12 @@ class Handshakes:
             warn.warning("bad-tcp", "handoff: %s from %s: %s", req.TYPE.name, client.label, e)
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
         try:
+            tcp.ends = (endpoint(tcp.local), endpoint(tcp.peer))
             draft = self._new_connection(client, role, tcp)
         except PairingError as e:
             tcp.close()
             raise Refused(m.Error(ErrorCode.BAD_FDS, clip(str(e)))) from None
-        key = pair_key(tcp.sock, tcp.local, tcp.peer, client=role is ConnRole.CLIENT)
+        key = pair_key(tcp.sock, *tcp.ends, client=role is ConnRole.CLIENT)
         assert srv.loop is not None
         denied = srv.admission.begin_handshake(client.uid, srv.loop.time())
         if denied is not None:  # before any CLC byte: the stream is the application's
@@ -520,7 +523,7 @@ class Handshakes:
         self, client: Client, hint: int, tcp: PairedTcp, key: PairKey
     ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
         srv = self._srv
-        peer = endpoint(tcp.peer)
+        peer = tcp.ends[1]
         why, ours = self._peer_speaks_smc(peer)
         if why is None:
             why, ours = await self._published(client, tcp)
@@ -564,13 +567,13 @@ class Handshakes:
                     return FallbackOutcome(int(DeclineReason.PEERNOSMC), None, True, detail)
                 tcp.paired = True  # its server half answers on the loop turn we write on
             session = srv.loopback.session(
-                client.uid, tcp.local, tcp.peer, server=False, key=key, owner=self._netns(client)
+                client.uid, *tcp.ends, server=False, key=key, owner=self._netns(client)
             )
             facts = self._facts(hint, peer_speaks_smc=why is not None)
             if why is not None:
                 log.debug("handoff: trying SMC toward %s: %s", tcp.peer, why)
                 try:
-                    srv.loopback.pairing.register_client(tcp.local, tcp.peer, key=key)
+                    srv.loopback.pairing.register_client(*tcp.ends, key=key)
                 except PairingError as e:
                     warn.warning("pairing", "handoff: %s; offering no device", e)
                     facts = dataclasses.replace(facts, loopback=None)
@@ -586,7 +589,7 @@ class Handshakes:
                 return await drive(negotiation, tcp, first)
             finally:
                 with contextlib.suppress(PairingError):
-                    srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=key)
+                    srv.loopback.pairing.withdraw(*tcp.ends, key=key)
         finally:
             if server is not None:
                 _settle(server.outcome, None)
@@ -599,7 +602,7 @@ class Handshakes:
         srv = self._srv
         owner = self._netns(server.client)
         s_tcp = server.tcp
-        session = srv.loopback.session(server.client.uid, s_tcp.local, s_tcp.peer, server=True,
+        session = srv.loopback.session(server.client.uid, *s_tcp.ends, server=True,
                                        key=server.key, owner=owner)  # fmt: skip
         s_neg = ServerNegotiation(self._facts(server.hint), session)
         tcp.paired = s_tcp.paired = False  # no loop turn for an answer: we write it ourselves
@@ -610,7 +613,7 @@ class Handshakes:
             raise
         finally:
             with contextlib.suppress(PairingError):
-                srv.loopback.pairing.withdraw(tcp.local, tcp.peer, key=server.key)
+                srv.loopback.pairing.withdraw(*tcp.ends, key=server.key)
         if server.outcome.done():
             # Its handoff ended while the two waited on a socket (the daemon stops, or it
             # expired): nobody replies for it, and what it was granted goes back.
@@ -698,7 +701,7 @@ class Handshakes:
         if service is not None:
             return await self._run_smcr(client, hint, tcp, service, server=True)
         session = srv.loopback.session(
-            client.uid, tcp.local, tcp.peer, server=True, key=key, owner=self._netns(client)
+            client.uid, *tcp.ends, server=True, key=key, owner=self._netns(client)
         )
         tcp.paired = self.arrivals.proposed(key)  # our client half: it answers on our turn
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
