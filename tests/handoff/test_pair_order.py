@@ -87,3 +87,34 @@ def test_either_arrival_order_runs_the_pair_as_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server_first: bool
 ) -> None:
     assert _run(tmp_path, monkeypatch, server_first=server_first) == 1
+
+
+def test_a_server_half_whose_client_never_comes_leaves_no_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "handoff.sock"
+    monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(path))
+
+    async def main() -> None:
+        srv = HandoffServer.bind(path, eids=EidTable(("SMCD-PAIR-ORDER",)))
+        srv.start()
+        listener = socket.create_server(("127.0.0.1", 0))
+        try:
+            reg = await asyncio.to_thread(Registration, listener)
+            ctcp = socket.create_connection(listener.getsockname())  # a plain client
+            stcp, _ = listener.accept()
+            server = asyncio.create_task(wrap(stcp, True))
+            await _until(lambda: bool(srv.handshakes._servers), "the server half's arrival")
+            s = await server
+            assert s.mode == "tcp"  # its look ended without a client half of ours...
+            assert not srv.handshakes._servers  # ...and no later one can take it
+            ctcp.sendall(b"plain")
+            assert await asyncio.to_thread(s.recv, 16) == b"plain"
+            s.close()
+            ctcp.close()
+            reg.close()
+        finally:
+            listener.close()
+            await srv.stop()
+
+    asyncio.run(main())

@@ -600,16 +600,16 @@ class Handshakes:
         """Both halves of a same-host pair on this client half's turn (:func:`drive_pair`):
         the server half gets its outcome through ``server.outcome``."""
         srv = self._srv
-        owner = self._netns(server.client)
         s_tcp = server.tcp
-        session = srv.loopback.session(server.client.uid, *s_tcp.ends, server=True,
-                                       key=server.key, owner=owner)  # fmt: skip
-        s_neg = ServerNegotiation(self._facts(server.hint), session)
-        tcp.paired = s_tcp.paired = False  # no loop turn for an answer: we write it ourselves
         try:
+            owner = self._netns(server.client)
+            session = srv.loopback.session(server.client.uid, *s_tcp.ends, server=True,
+                                           key=server.key, owner=owner)  # fmt: skip
+            s_neg = ServerNegotiation(self._facts(server.hint), session)
+            tcp.paired = s_tcp.paired = False  # no loop turn for an answer: we write it ourselves
             mine, theirs = await drive_pair(negotiation, tcp, s_neg, s_tcp, first)
         except BaseException:
-            server.outcome.cancel()
+            server.outcome.cancel()  # its handoff ends as ours does (the library sees no reply)
             raise
         finally:
             with contextlib.suppress(PairingError):
@@ -726,11 +726,14 @@ class Handshakes:
             return await peek_proposal(tcp, wait)
         try:
             seen = await peek_proposal(tcp, wait, half.outcome)
-        finally:
-            taken = self._servers.get(half.key) is not half
-            if not taken:
+        except BaseException:
+            if self._servers.get(half.key) is half:
                 del self._servers[half.key]
-        if not taken:
+            else:  # taken: the pair's driver gives back what it would have granted us
+                half.outcome.cancel()
+            raise
+        if self._servers.get(half.key) is half:
+            del self._servers[half.key]  # from here on no client half takes it
             return seen
         both = await half.outcome  # done, but for a pair still waiting on a socket
         if both is not None:
