@@ -1,14 +1,15 @@
 """A same-host pair runs its CLC as one (``clc_io.drive_pair``) whichever half reaches the daemon
 first: the client half parked for its server half, or the server half already looking for the
-Proposal when its client half comes. Both end on SMC with their stream intact, and a handoff
-server whose client half cannot take its server half (SMC-R tried) still gets there alone."""
+Proposal when its client half comes. Both end on SMC with their stream intact; a server half
+whose client never comes falls back and leaves nothing registered for a later one to take."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,27 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"{what} did not happen")
 
 
+@contextlib.asynccontextmanager
+async def connection(
+    path: Path,
+) -> AsyncIterator[tuple[HandoffServer, socket.socket, socket.socket]]:
+    """An in-process handoff server at ``path``, a listener registered with it, and one
+    connection to that listener (its client and accepted sockets, not handed over yet)."""
+    srv = HandoffServer.bind(path, eids=EidTable(("SMCD-PAIR-ORDER",)))
+    srv.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        reg = await asyncio.to_thread(Registration, listener)
+        assert reg.listener_id is not None
+        ctcp = socket.create_connection(listener.getsockname())
+        stcp, _ = listener.accept()
+        yield srv, ctcp, stcp
+        reg.close()
+    finally:
+        listener.close()
+        await srv.stop()
+
+
 def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, server_first: bool) -> int:
     """One connection handed over in the given order; how many pair drives ran."""
     path = tmp_path / "handoff.sock"
@@ -47,15 +69,8 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, server_first: bool)
     monkeypatch.setattr(handshake, "drive_pair", counted)
 
     async def main() -> None:
-        srv = HandoffServer.bind(path, eids=EidTable(("SMCD-PAIR-ORDER",)))
-        srv.start()
-        hs = srv.handshakes
-        listener = socket.create_server(("127.0.0.1", 0))
-        try:
-            reg = await asyncio.to_thread(Registration, listener)
-            assert reg.listener_id is not None
-            ctcp = socket.create_connection(listener.getsockname())
-            stcp, _ = listener.accept()
+        async with connection(path) as (srv, ctcp, stcp):
+            hs = srv.handshakes
             if server_first:
                 server = asyncio.create_task(wrap(stcp, True))
                 await _until(lambda: bool(hs._servers), "the server half's arrival")
@@ -73,10 +88,6 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, server_first: bool)
             assert not hs._servers  # nothing left behind
             c.close()
             s.close()
-            reg.close()
-        finally:
-            listener.close()
-            await srv.stop()
 
     asyncio.run(main())
     return len(pairs)
@@ -96,13 +107,7 @@ def test_a_server_half_whose_client_never_comes_leaves_no_registration(
     monkeypatch.setenv("SMCD_HANDOFF_SOCKET", os.fspath(path))
 
     async def main() -> None:
-        srv = HandoffServer.bind(path, eids=EidTable(("SMCD-PAIR-ORDER",)))
-        srv.start()
-        listener = socket.create_server(("127.0.0.1", 0))
-        try:
-            reg = await asyncio.to_thread(Registration, listener)
-            ctcp = socket.create_connection(listener.getsockname())  # a plain client
-            stcp, _ = listener.accept()
+        async with connection(path) as (srv, ctcp, stcp):  # ctcp: a plain client
             server = asyncio.create_task(wrap(stcp, True))
             await _until(lambda: bool(srv.handshakes._servers), "the server half's arrival")
             s = await server
@@ -112,9 +117,5 @@ def test_a_server_half_whose_client_never_comes_leaves_no_registration(
             assert await asyncio.to_thread(s.recv, 16) == b"plain"
             s.close()
             ctcp.close()
-            reg.close()
-        finally:
-            listener.close()
-            await srv.stop()
 
     asyncio.run(main())
