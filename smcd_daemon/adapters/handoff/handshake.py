@@ -187,17 +187,27 @@ def _hung_up(sock: socket.socket) -> bool:
 HalfOutcome = SmcdLoopbackOutcome | FallbackOutcome
 
 
+@dataclass(frozen=True)
+class _Concluded:
+    """A server half's handoff ended by its client half (:meth:`Handshakes._run_pair`): replied,
+    and ``kept`` as :meth:`Handshakes.handoff` returns it."""
+
+    kept: bool
+
+
 @dataclass(eq=False)
 class _ServerHalf:
     """A server half whose client half waits in this daemon: that client half runs the CLC of
-    both (:func:`~smcd_daemon.adapters.clc_io.drive_pair`) and sets ``outcome`` to this half's,
-    or to None when it does not (this half then runs its own, as any other)."""
+    both (:func:`~smcd_daemon.adapters.clc_io.drive_pair`), replies to both and sets ``outcome``
+    to :class:`_Concluded`; or to None when it does not (this half then runs its own, as any
+    other)."""
 
     client: Client
     hint: int
     tcp: PairedTcp
     key: PairKey
-    outcome: asyncio.Future[HalfOutcome | None]
+    draft: Draft
+    outcome: asyncio.Future[_Concluded | None]
 
 
 class Handshakes:
@@ -400,12 +410,13 @@ class Handshakes:
             finally:
                 tcp.close()
             return self.reply_fallback(client, draft, out, aborted=reset)
+        outcome: HalfOutcome | SmcrChannel | _Concluded
         try:
             if role is ConnRole.CLIENT:
                 outcome = await self._run_client(client, req.dmb_size, tcp, key)
             else:
                 proposing = self.arrivals.server_in(key)
-                outcome = await self._run_server(client, req.dmb_size, tcp, key, proposing)
+                outcome = await self._run_server(client, req.dmb_size, tcp, key, draft, proposing)
         except BaseException:
             tcp.close()
             if role is ConnRole.SERVER:
@@ -413,6 +424,22 @@ class Handshakes:
             raise
         finally:
             srv.admission.end_handshake(client.uid)
+        if isinstance(outcome, _Concluded):
+            return outcome.kept  # its client half replied to it (_run_pair)
+        return self._conclude(client, draft, role, key, tcp, outcome)
+
+    def _conclude(
+        self,
+        client: Client,
+        draft: Draft,
+        role: ConnRole,
+        key: PairKey,
+        tcp: PairedTcp,
+        outcome: HalfOutcome | SmcrChannel,
+    ) -> bool:
+        """A handshake's end: the TCP connection reset where the kernel would fail it, the
+        server half's arrival settled, our copy of the socket closed, the reply sent."""
+        srv = self._srv
         aborted = False
         if isinstance(outcome, FallbackOutcome) and _must_abort(outcome):
             # CLC began and the kernel would fail the connection here: reset it, so neither
@@ -622,13 +649,29 @@ class Handshakes:
                     session.detach_dmb(theirs.peer_token)
                 with contextlib.suppress(SmcError):
                     session.unregister_dmb(theirs.local_token)
+            return mine
+        # Its reply first, ours right after, on this turn: the server application is the one
+        # that waits for data first, and a loop turn between the two replies is a turn later
+        # for the whole connection.
+        theirs = self._no_smcr_said(s_tcp, theirs)
+        try:
+            kept = self._conclude(server.client, server.draft, ConnRole.SERVER, server.key,
+                                  s_tcp, theirs)  # fmt: skip
+        except Exception as e:  # its task reports it, as its own handshake's error
+            server.outcome.set_exception(e)
         else:
-            server.outcome.set_result(theirs)
+            server.outcome.set_result(_Concluded(kept))
         return mine
 
     async def _run_server(
-        self, client: Client, hint: int, tcp: PairedTcp, key: PairKey, proposing: bool = False
-    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel:
+        self,
+        client: Client,
+        hint: int,
+        tcp: PairedTcp,
+        key: PairKey,
+        draft: Draft,
+        proposing: bool = False,
+    ) -> SmcdLoopbackOutcome | FallbackOutcome | SmcrChannel | _Concluded:
         """``proposing``: our client half was waiting for this one and proposes on its next
         step; one loop turn lets it write first, so the peek finds the Proposal at once (no
         wait registered, no timer, no wake-up)."""
@@ -642,14 +685,14 @@ class Handshakes:
             # Our client half, here or still to come, runs both halves' CLC (:meth:`_run_pair`);
             # when it cannot, it has written its Proposal by the time we look for it.
             assert srv.loop is not None
-            half = _ServerHalf(client, hint, tcp, key, srv.loop.create_future())
+            half = _ServerHalf(client, hint, tcp, key, draft, srv.loop.create_future())
             self._servers[key] = half
         elif proposing:
             await asyncio.sleep(0)  # our client half proposes on its next step: let it
         if half is not None and proposing:  # it takes us on its next step, whatever it does
             both = await self._taken(half)
             if both is not None:
-                return self._no_smcr_said(tcp, both)
+                return both
             half = None
         # a client whose SYN carried the option sends CLC (a Proposal, or a Decline when it
         # falls back): wait for it as the kernel does, up to the CLC timer (#11)
@@ -661,7 +704,7 @@ class Handshakes:
         if local and wait > UNMARKED_GRACE:
             first = await self._peek(tcp, UNMARKED_GRACE, half)
             if not isinstance(first, PeekResult):
-                return self._no_smcr_said(tcp, first)
+                return first
             seen = first
             if seen.kind == "silent":
                 if not self.arrivals.proposed(key) and self._plain_local_client(tcp):
@@ -672,7 +715,7 @@ class Handshakes:
         else:
             first = await self._peek(tcp, wait, half)
             if not isinstance(first, PeekResult):
-                return self._no_smcr_said(tcp, first)
+                return first
             seen = first
         if seen.kind == "silent" and local:
             # A client half whose CONNECT the loop read in the turn our timer fired starts on
@@ -707,9 +750,9 @@ class Handshakes:
         out = await drive(ServerNegotiation(self._facts(hint), session), tcp)
         return self._no_smcr_said(tcp, out)
 
-    async def _taken(self, half: _ServerHalf) -> HalfOutcome | None:
+    async def _taken(self, half: _ServerHalf) -> _Concluded | None:
         """A server half waits for the client half that takes it (:meth:`_run_client`): its
-        outcome, or None when that one proposes by itself."""
+        handoff ended by that one, or None when that one proposes by itself."""
         try:
             return await half.outcome
         finally:
@@ -718,10 +761,10 @@ class Handshakes:
 
     async def _peek(
         self, tcp: PairedTcp, wait: float, half: _ServerHalf | None
-    ) -> PeekResult | HalfOutcome:
+    ) -> PeekResult | _Concluded:
         """:func:`peek_proposal` for a server half that our client half may take meanwhile
-        (``half``, registered): then that half's outcome, unless the client proposed by
-        itself. Once the look ends otherwise, no client half takes it any more."""
+        (``half``, registered): then its handoff ended by that one, unless the client proposed
+        by itself. Once the look ends otherwise, no client half takes it any more."""
         if half is None:
             return await peek_proposal(tcp, wait)
         try:
@@ -824,7 +867,7 @@ class Handshakes:
         )
 
 
-def _settle(fut: asyncio.Future[HalfOutcome | None], value: HalfOutcome | None) -> None:
+def _settle(fut: asyncio.Future[_Concluded | None], value: _Concluded | None) -> None:
     if not fut.done():
         fut.set_result(value)
 
