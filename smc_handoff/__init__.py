@@ -7,10 +7,12 @@ when no daemon runs). :mod:`smc_handoff.aio` has the asyncio streams, ``smc-run`
 handoff protocol and :mod:`smc_handoff.channel` the shared-memory channel.
 """
 
-import contextlib
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
-if TYPE_CHECKING:
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # (typing costs a clean interpreter ~2 ms: smc-run imports this package)
+    from typing import Any
+
     from smc_handoff.messages import (
         FALLBACK_CHANNEL_UNSUPPORTED,
         FALLBACK_DAEMON_ERROR,
@@ -55,7 +57,7 @@ def __getattr__(name: str) -> Any:
 _FROM_SOCKET = frozenset({"SmcServer", "SmcSocket", "connect", "listen"})
 
 
-def wrap(sock: Any, server_side: bool = False, *, dmb_size: int = 0) -> "SmcSocket":
+def wrap(sock: Any, server_side: bool = False, *, dmb_size: int = 0) -> SmcSocket:
     """:func:`smc_handoff.socket.wrap`: hand a connected TCP socket to smcd.
 
     A client's socket gets the handoff mark before the library is loaded (a first call loads
@@ -64,6 +66,8 @@ def wrap(sock: Any, server_side: bool = False, *, dmb_size: int = 0) -> "SmcSock
     TCP client (:data:`smc_handoff.peer_option.HANDOFF_MARK`). Call it right after
     ``connect()``."""
     if not server_side:
+        import contextlib
+
         from smc_handoff.peer_option import HANDOFF_MARK  # (~0.6 ms the first time)
 
         with contextlib.suppress(OSError, AttributeError, TypeError):  # (the real wrap says)

@@ -46,7 +46,7 @@ import logging
 from asyncio import base_events, exceptions, selector_events, sslproto
 from typing import Any
 
-from smc_handoff import run
+from smc_handoff import autosocket as run  # (AutoSocket and the -v lines)
 from smc_handoff.aio_transport import SmcTransport, loop_dmb_size, run_handoff, sendall
 from smc_handoff.socket import SmcSocket, accepted
 

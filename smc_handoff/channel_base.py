@@ -22,11 +22,10 @@ from _socket import SOCK_SEQPACKET as _SOCK_SEQPACKET
 from _socket import socket as _CSocket
 from collections.abc import Callable
 from dataclasses import dataclass
-from os import set_blocking as _set_blocking  # the real one: smc-run wraps os's (run.py)
-from select import poll as _poll  # the real one: smc-run's readiness wrappers come later
 from typing import Any, Self
 
 from smc_handoff import layout
+from smc_handoff.fdmap import LEVEL_FDS, unpatched
 from smc_handoff.layout import (
     C_KICK,
     C_KICK_SPACE,
@@ -57,6 +56,10 @@ from smc_handoff.wakeup import (
     take_thread_wake,
     thread_wake_fd,
 )
+
+# The real calls: smc-run wraps os's and select's before this module is loaded (run.py)
+_set_blocking = unpatched(os.set_blocking)
+_poll = unpatched(select.poll)
 
 __all__ = [
     "ABORT_WORD",
@@ -98,10 +101,6 @@ _SLEEP_CAP_S = 1.0
 #: Why they grow: every idle blocking reader used to wake once a second (500 idle threads of a
 #: ThreadingTCPServer: 1.2 % of a CPU), where TCP's sleep until something happens.
 _SLEEP_CAP_MAX_S = 30.0
-LEVEL_FDS: set[int] = set()
-"""The eventfds of this process's channels in level mode (``fileno()``): what smc-run's polls
-check a readable report of (:meth:`Channel.readable_now`); any other descriptor's report is
-passed on at the cost of one set lookup. A stale number (closed, reused) only costs a check."""
 
 
 class ChannelUnsupportedError(OSError):

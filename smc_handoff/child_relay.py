@@ -55,15 +55,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from smc_handoff.socket import (
-    SmcSocket,
-    by_fileno,
-    connection_at,
-    copies,
-    copy_of,
-    eventfd_id,
-    is_eventfd,
-)
+from smc_handoff.fdmap import by_fileno, connection_at, copies, copy_of, eventfd_id, is_eventfd
+from smc_handoff.socket import SmcSocket
 
 if TYPE_CHECKING:  # smc-run imports this module at start-up: no channel modules then
     from smc_handoff.channel import Channel

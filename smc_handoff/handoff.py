@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import logging
+import fcntl
 import os
 import select
 import socket as _socket
@@ -60,17 +60,21 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from fcntl import ioctl as _ioctl  # the real one: smc-run wraps fcntl's (smc_handoff.run)
-from select import poll as _poll  # the real one: smc-run's readiness wraps select's
 from typing import TYPE_CHECKING, Any
 
 from smc_handoff import messages, peer_option
+from smc_handoff.fdmap import unpatched
+from smc_handoff.lazylog import LazyLogger
 from smc_handoff.messages import Fallback
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from smc_handoff.channel import Channel as _Channel
+
+# The real calls: smc-run wraps fcntl's and select's before this module is loaded (run.py)
+_ioctl = unpatched(fcntl.ioctl)
+_poll = unpatched(select.poll)
 
 __all__ = [
     "CLC_EYECATCHERS",
@@ -94,7 +98,7 @@ __all__ = [
     "unexpected",
 ]
 
-log = logging.getLogger("smc_handoff")
+log = LazyLogger("smc_handoff")  # (logging: imported when something is logged)
 
 # The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
 _BaseSocket = _socket.socket

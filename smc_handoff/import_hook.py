@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Any, cast
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["PatchOnImport", "patch_on_import"]
 
@@ -48,7 +51,7 @@ class PatchOnImport:
                 except Exception as e:  # never break the program: it runs on TCP
                     print(f"smc-run: not upgrading {name}: {e!r}", file=sys.stderr)
 
-        spec.loader = cast(Any, Loader())  # (a loader by its methods: see the class)
+        spec.loader = Loader()  # type: ignore[assignment]  # (a loader by its methods)
         return spec
 
 

@@ -67,11 +67,15 @@ import os
 import select as _select
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
 
-from smc_handoff.channel_base import LEVEL_FDS
-from smc_handoff.socket import SmcSocket, by_fileno, connection_at
+from smc_handoff.fdmap import LEVEL_FDS, by_fileno, connection_at
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # smc-run installs this module before the program's first line: light
+    from collections.abc import Iterable, Sequence
+    from typing import Any
+
+    from smc_handoff.socket import SmcSocket
 
 __all__ = ["SmcEpoll", "SmcPoll", "install", "smc_select"]
 
@@ -271,6 +275,7 @@ class _Select:
 
 
 smc_select = _Select()
+_Select._smc_real = _real_select  # type: ignore[attr-defined]  # (fdmap.unpatched)
 
 
 class _Translated:
@@ -563,6 +568,12 @@ class SmcEpoll(_Translated):
             if out or not events or left == 0:
                 return self._edges(out if maxevents <= 0 else out[:maxevents])
             wait = -1 if left is None else left  # a spare kick or stale: sleep on
+
+
+# The calls the wrappers stand for (smc_handoff.fdmap.unpatched): smc-run installs them before
+# the library's modules, which want the real ones, are loaded.
+SmcPoll._smc_real = _real_poll  # type: ignore[attr-defined]
+SmcEpoll._smc_real = _real_epoll  # type: ignore[attr-defined]
 
 
 def install(select: Any = _select, selectors: Any | None = None) -> None:

@@ -54,9 +54,9 @@ import _socket as _csocket
 import contextlib
 import contextvars
 import errno
+import fcntl
 import functools
 import io as _io
-import logging
 import operator
 import os
 import select as _select
@@ -70,11 +70,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fcntl import F_GETFL as _F_GETFL
 from fcntl import F_SETFL as _F_SETFL
-from fcntl import fcntl as _fcntl  # the real one: smc-run's wraps fcntl's (smc_handoff.run)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from smc_handoff import layout, messages, peer_option
+from smc_handoff.fdmap import (  # (here too: the names smc_handoff.socket always had)
+    by_fileno,
+    connection_at,  # noqa: F401
+    copies,  # noqa: F401
+    copy_of,  # noqa: F401
+    eventfd_id,  # noqa: F401
+    is_eventfd,
+    unpatched,
+)
 from smc_handoff.handoff import (
     ChannelState,
     Handed,
@@ -87,14 +95,17 @@ from smc_handoff.handoff import (
     raise_nofile_limit,
     reset,
 )
+from smc_handoff.lazylog import DEBUG, LazyLogger
 from smc_handoff.messages import Fallback
 
 if TYPE_CHECKING:  # imported when a channel is made: smc-run loads this module in every process
     from smc_handoff.channel import Channel as _Channel
 
+_fcntl = unpatched(fcntl.fcntl)  # the real one: smc-run wraps fcntl's first (run.py)
+
 __all__ = ["SmcServer", "SmcSocket", "accepted", "connect", "in_place", "listen", "wrap"]
 
-log = logging.getLogger("smc_handoff")
+log = LazyLogger("smc_handoff")  # (logging: imported when something is logged)
 
 # The real socket class, captured before smc-run may replace ``socket.socket`` by a subclass.
 _BaseSocket = _socket.socket
@@ -142,56 +153,6 @@ _INT_MAX = 0x7FFFFFFF
 _SSIZE_MAX = sys.maxsize
 
 
-def is_eventfd(fd: int) -> bool:
-    """Is ``fd`` an eventfd (what an SMC connection's ``fileno()`` is)? One ``readlink``."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
-    except OSError:
-        return False
-
-
-def eventfd_id(fd: int) -> bytes | None:
-    """The kernel's id of the eventfd behind ``fd``, the same for every copy of it (the
-    ``eventfd-id`` of ``/proc/self/fdinfo``, Linux 5.19 on; None before, or on error)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-            info = f.read()
-    except OSError:
-        return None
-    for line in info.splitlines():
-        if line.startswith(b"eventfd-id:"):
-            return line[11:].strip()
-    return None
-
-
-copies: dict[int, weakref.ref[SmcSocket]] = {}
-"""Other numbers for SMC connections' eventfds, made by ``os.dup``/``fcntl(F_DUPFD)`` under
-smc-run (:mod:`smc_handoff.run`): a read, a write or a file through one acts on the connection,
-as through a copy of a TCP socket's descriptor. Each use checks that the number still is a copy
-of that eventfd (:func:`copy_of`): one closed behind our back and taken again is not."""
-
-
-def copy_of(fd: int) -> SmcSocket | None:
-    """The live SMC connection whose eventfd ``fd`` (in :data:`copies`) is a copy of, or None
-    (and ``fd`` forgotten)."""
-    ref = copies.get(fd)
-    sock = ref() if ref is not None else None
-    smc = sock._smc if sock is not None else None
-    if smc is not None and not smc.channel.closed:
-        ident = eventfd_id(fd)
-        if (ident == eventfd_id(smc.fd)) if ident is not None else is_eventfd(fd):
-            return sock
-    copies.pop(fd, None)
-    return None
-
-
-by_fileno: dict[int, list[weakref.ref[SmcSocket]]] = {}
-"""The SMC connections of this process by their ``fileno()`` (the channel's eventfd number),
-for the calls that take a bare number: ``os.read``/``os.write``/``fcntl.ioctl`` (smc-run's
-:func:`smc_handoff.run.install`). Kept as the handoff and ``dup()`` make sockets; a closed
-socket's entry goes with its close (a collected one's dead reference at the next look)."""
-
-
 LEAVE_WAIT_S = 2.0
 """How long a socket that carried data waits for its peer to leave the channel too (see
 :meth:`SmcSocket.leave_channel`): in STARTTLS the second end comes within a round trip."""
@@ -213,9 +174,9 @@ def _install_tls() -> None:
 def _patch_ssl(ssl: Any) -> None:
     """What :func:`_install_tls` asks for once ``ssl`` is there: smc-run's patch (loaded only
     then, ~11 ms that a program without ``ssl`` never pays on its first connection)."""
-    from smc_handoff import run  # (imports this module)
+    from smc_handoff import autosocket  # (imports this module)
 
-    run.patch_ssl(ssl)
+    autosocket.patch_ssl(ssl)
 
 
 _tls_takeover: contextvars.ContextVar[SmcSocket | None] = contextvars.ContextVar(
@@ -233,20 +194,6 @@ def handing_to_tls(sock: SmcSocket) -> Iterator[None]:
         yield
     finally:
         _tls_takeover.reset(token)
-
-
-def connection_at(fd: int) -> SmcSocket | None:
-    """The SMC connection whose ``fileno()`` is ``fd`` (not a copy of it: ``os.dup``), None
-    if there is none."""
-    refs = by_fileno.get(fd)
-    if refs is None:
-        return None
-    for ref in refs:
-        sock = ref()
-        smc = sock._smc if sock is not None else None
-        if smc is not None and smc.fd == fd:
-            return sock
-    return None
 
 
 def _index(sock: SmcSocket, smc: _Smc) -> None:
@@ -884,7 +831,7 @@ class SmcSocket(_BaseSocket):
         _index(self, smc)
         if not _tls_installed:
             _install_tls()
-        if log.isEnabledFor(logging.DEBUG):
+        if log.isEnabledFor(DEBUG):
             what = "ACCEPT" if server_side else "CONNECT"  # (not self.mode: a settle holds
             mode = _MODE_NAMES[reply.mode]  # the lock that reading .mode would take again)
             log.debug("%s: SMC connection %d (%s)", what, reply.conn_id, mode)

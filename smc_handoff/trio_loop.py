@@ -38,7 +38,7 @@ import functools
 import logging
 from typing import Any
 
-from smc_handoff import run
+from smc_handoff import autosocket as run  # (AutoSocket and the -v lines)
 from smc_handoff.socket import accepted
 
 __all__ = ["install"]

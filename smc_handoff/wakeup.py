@@ -15,7 +15,10 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from select import epoll as _epoll  # the real one: smc-run's readiness wrappers come later
+
+from smc_handoff.fdmap import unpatched
+
+_epoll = unpatched(select.epoll)  # the real one: smc-run's readiness wrappers come first
 
 __all__ = [
     "SPIN_BACKOFF_MAX_NS",
