@@ -102,11 +102,20 @@ class Deferred:
         overlap without a gap must not hold the releases back)."""
         self._timer = None
         loop = self._srv.loop
-        if self._srv.admission.inflight and not self._due and loop is not None:
+        if not self._due and loop is not None and self._busy():
             self._due = True
             self._timer = loop.call_later(DEFER_LATEST, self._fire)
             return
         self.run()
+
+    def _busy(self) -> bool:
+        """Is a handshake in flight, or about to be: a handoff connection accepted whose
+        request its task has not read yet, or one still in the listen queue? (A batch run
+        between the accept of the two halves of the next connection and the reading of their
+        requests held that connection back by the whole batch: the gap it was meant for comes
+        right after the replies, while the applications map their channels.)"""
+        srv = self._srv
+        return bool(srv.admission.inflight or srv.gate.pending) or srv.backlogged()
 
     def run(self) -> bool:
         """Run every deferred call now; True if there was one."""
@@ -140,7 +149,7 @@ class Deferred:
             loop.call_soon(self._run_if_idle)
 
     def _run_if_idle(self) -> None:
-        if not self._srv.admission.inflight:
+        if self._due and not self._busy():
             self.run()
 
 
