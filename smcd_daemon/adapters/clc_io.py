@@ -1,5 +1,6 @@
-"""The asyncio driver of the sans-IO CLC negotiation (both roles, SMC-D and SMC-R) over a
-borrowed TCP socket.
+"""The asyncio drivers of the sans-IO CLC negotiation over borrowed TCP sockets: one half of
+either role, SMC-D and SMC-R (:func:`drive`), or both halves of a same-host connection
+(:func:`drive_pair`).
 
 The handoff server receives, with SCM_RIGHTS, its own copy of the application's connected TCP
 socket. That copy shares the *open file description* with the application's descriptor, so two
@@ -13,7 +14,10 @@ rules follow:
   the negotiator asks for (:attr:`~smcd_daemon.protocol.negotiate.Negotiation.bytes_needed`:
   the 8-byte header, then the rest of that one message), and a server half first *peeks*
   (``MSG_PEEK``) at the client's first bytes: a plain TCP client's bytes — or its silence, for a
-  client that waits for the server to speak first — are left exactly as they were.
+  client that waits for the server to speak first — are left exactly as they were. The pair
+  driver, which wrote the message itself, reads its length at once; bytes that are not that
+  message fail both halves, and the connection is reset, so nothing read too far ever reaches
+  an application.
 
 Every wait is bounded: the proposal peek by ``timeouts.proposal_wait``, each CLC message by the
 negotiator's :attr:`timeout` (``timeouts.clc_wait``), each write by the same.
@@ -501,7 +505,8 @@ wrote into it (something else writes into the connection)."""
 async def _hand_over(step: Step, reader: Negotiation, tcp: BorrowedTcp) -> Step:
     """The other end of the connection reads what ``step`` sent: exactly as many bytes (one
     ``recv`` on loopback, where they are there once the ``send`` returned); when they are the
-    bytes sent, ``reader`` gets the message built for them, else a protocol violation."""
+    bytes sent, ``reader`` gets the message built for them, else a protocol violation. (A step
+    sends one message: every SMC-D step does.)"""
     raw = step.data
     try:
         got = await tcp.read_exactly(len(raw), reader.timeout or 0.0)
