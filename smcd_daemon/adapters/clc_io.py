@@ -541,27 +541,24 @@ async def drive_pair(
     half never sees a late Decline (:func:`client_gave_up`): its client is ours and here.
     Cancelling aborts both negotiations."""
     halves: tuple[tuple[Negotiation, BorrowedTcp], ...] = ((client, ctcp), (server, stcp))
-    outcomes: list[Outcome | None] = [None, None]
     step, side = first, 0
     try:
         while True:
             neg, tcp = halves[side]
+            other = halves[1 - side][0]  # done once it has its outcome
             if step.send:
                 failed = await _send(tcp, step, neg.clc_wait)
                 if failed is not None and step.outcome is None:
                     step = neg.on_eof()
                     continue
-                if failed is None and outcomes[1 - side] is None:
-                    outcomes[side] = step.outcome
+                if failed is None and not other.done:
                     side = 1 - side
                     step = await _hand_over(step, *halves[side])
                     continue
             if step.outcome is None:  # cannot happen with a correct negotiator
                 step = neg.abort("negotiator waits for nothing")
                 continue
-            outcomes[side] = step.outcome
-            other = halves[1 - side][0]
-            if outcomes[1 - side] is None and not other.done:
+            if not other.done:
                 side, step = 1 - side, other.on_eof()
                 continue
             break

@@ -3,10 +3,11 @@ before; two connections are named apart; the socket leaves repair mode untouched
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
-from smcd_daemon.adapters.tcp_identity import connection_identity
+from smcd_daemon.adapters.tcp_identity import SocketNetns, connection_identity
 
 _TCP_REPAIR = 19
 
@@ -69,3 +70,13 @@ def test_so_reuseaddr_survives_and_the_port_can_be_bound_again() -> None:
     finally:
         for sock in (lsock, client, server):
             sock.close()
+
+
+def test_a_sockets_namespace_is_the_one_it_was_made_in_and_looked_up_once() -> None:
+    ns = SocketNetns()
+    here = os.stat("/proc/self/ns/net").st_ino
+    with socket.socket() as a, socket.socket() as b:
+        assert ns.inode(a) == here
+        assert ns._inodes == {a.getsockopt(socket.SOL_SOCKET, 71, 8): here}
+        assert ns.inode(b) == here  # the same cookie: no second lookup
+        assert len(ns._inodes) == 1

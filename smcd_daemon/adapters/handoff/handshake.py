@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import ipaddress
 import os
 import socket
@@ -71,7 +70,12 @@ from smcd_daemon.adapters.clc_io import (
 )
 from smcd_daemon.adapters.netns_view import dnat_target, local_in
 from smcd_daemon.adapters.ratelimit import FALLBACK_LOG_BURST, RateLimitedLog
-from smcd_daemon.adapters.tcp_identity import NetnsId, connection_identity, netns_name
+from smcd_daemon.adapters.tcp_identity import (
+    NetnsId,
+    SocketNetns,
+    connection_identity,
+    netns_name,
+)
 from smcd_daemon.core.handoff_pairs import IpAddress, Listener, PairKey
 from smcd_daemon.core.registry import Connection, ConnMode, ConnRole, ConnState
 from smcd_daemon.errors import SmcError
@@ -120,8 +124,6 @@ _PLAIN_LOCAL_CLIENT = (
 )
 _ZERO = Cursor()
 _OWN_NETNS = os.stat("/proc/self/ns/net").st_ino
-_SO_NETNS_COOKIE = 71  # Linux 5.14
-_SIOCGSKNS = 0x894C  # Linux 4.9: an fd of the socket's network namespace
 _ZERO_CURSORS = {"rx_prod": _ZERO, "rx_cons": _ZERO, "tx_prod": _ZERO, "tx_cons": _ZERO}
 """Cursors of a new record (one shared frozen zero cursor instead of four new ones)."""
 
@@ -222,7 +224,7 @@ class Handshakes:
         self._ip_texts: dict[int, tuple[object, str, bool]] = {}
         self.arrivals = Arrivals()
         self._ns_names: dict[int, str] = {}
-        self._ns_cookies: dict[bytes, int] = {}  # SO_NETNS_COOKIE -> the namespace's inode
+        self._sock_netns = SocketNetns()
         self._servers: dict[PairKey, _ServerHalf] = {}
         """Server halves whose client half runs both CLC sides (:class:`_ServerHalf`)."""
         server.loopback.policy = self._may_pair
@@ -231,44 +233,18 @@ class Handshakes:
         """The network namespace of the process that handed a connection over (its inode and
         ``ip netns`` name, looked up once per inode), None if unknown (another pid namespace).
         Read once per handoff connection (the record and the pairing both ask), from the
-        handed-over socket ``sock`` when given (:meth:`_netns_inode`)."""
+        handed-over socket ``sock`` when given (:class:`..tcp_identity.SocketNetns`)."""
         if client.netns_read:
             return client.netns
         client.netns = self._read_netns(client, sock)
         client.netns_read = True
         return client.netns
 
-    def _netns_inode(self, sock: socket.socket) -> int | None:
-        """The inode of the namespace ``sock`` lives in: the process's that made it. Its cookie
-        (``SO_NETNS_COOKIE``, one call, never reused within a boot) names the namespace, and
-        the inode behind a cookie is looked up once (``SIOCGSKNS``): a ``stat`` of
-        ``/proc/PID/ns/net`` per handoff cost ~6 to 14 µs of procfs walking, twice a connection.
-        None when the kernel says neither (before 5.14: then the process's is read)."""
-        try:
-            cookie = sock.getsockopt(socket.SOL_SOCKET, _SO_NETNS_COOKIE, 8)
-        except OSError:
-            return None
-        inode = self._ns_cookies.get(cookie)
-        if inode is not None:
-            return inode
-        try:
-            ns_fd = fcntl.ioctl(sock.fileno(), _SIOCGSKNS)
-        except OSError:
-            return None
-        try:
-            inode = os.fstat(ns_fd).st_ino
-        finally:
-            os.close(ns_fd)
-        if len(self._ns_cookies) >= 1024:
-            self._ns_cookies.clear()
-        self._ns_cookies[cookie] = inode
-        return inode
-
     def _read_netns(self, client: Client, sock: socket.socket | None) -> NetnsId | None:
         cred = client.cred
         if cred is None or not cred.pid:
             return None
-        inode = self._netns_inode(sock) if sock is not None else None
+        inode = self._sock_netns.inode(sock) if sock is not None else None
         if inode is None:
             try:
                 inode = os.stat(f"/proc/{cred.pid}/ns/net").st_ino

@@ -297,11 +297,8 @@ class DmbObserver:
         if pair is None or half.peer_token is None or half.local_token is None:
             return  # released (or a resumed record: no DMBs of ours)
         try:
-            fd = pair.res.mem[half.peer_token]  # the peer's DMB: this half's header in it
-            view = self._views.get(fd)
-            if view is None:
-                view = self._views[fd] = DmbView(fd)
-            cursors = view.cursors()
+            # the peer's DMB: this half's header in it
+            cursors = self.view(pair.res.mem[half.peer_token]).cursors()
         except (OSError, KeyError) as e:
             warn.warning("dmb-headers", "handoff: connection %d: cannot read its DMB headers: %s",
                          half.conn_id, e)  # fmt: skip
@@ -309,15 +306,8 @@ class DmbObserver:
         if cursors is None:
             return  # it never wrote
         prod, cons = cursors
-        # advance() of both, inline (every connection's end)
-        ring, old = half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod
-        sent = ((prod[0] - old[0]) & 0xFFFF) * ring + prod[1] - old[1]
-        if not 0 <= sent < 0x8000 * ring:
-            sent = 0
-        ring, old = half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons
-        received = ((cons[0] - old[0]) & 0xFFFF) * ring + cons[1] - old[1]
-        if not 0 <= received < 0x8000 * ring:
-            received = 0
+        sent = advance(half.tx_size - SMCD_CDC_HEADER_LEN, half.tx_prod, prod)
+        received = advance(half.rx_size - SMCD_CDC_HEADER_LEN, half.rx_cons, cons)
         half.tx_prod, half.rx_cons = prod, cons
         if sent or received:
             self._srv.registry.stats.add_bytes(SmcType.SMCD, tx=sent, rx=received)
